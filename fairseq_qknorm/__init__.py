@@ -1,0 +1,23 @@
+"""fairseq-qknorm: Query-Key Normalization (Henry et al., 2020) for fairseq.
+
+Use as `--user-dir $(fairseq-qknorm-user-dir)` with any fairseq command; it registers the model
+`transformer_qknorm` and its architectures (see architectures.py).
+"""
+import os
+
+__version__ = "0.1.0"
+USER_DIR = os.path.dirname(os.path.abspath(__file__))
+
+try:
+    import fairseq  # noqa: F401
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        f"fairseq-qknorm needs fairseq, which failed to import ({e}); install it with "
+        "`pip install fairseq-qknorm[fairseq]` or `bash scripts/setup.sh`"
+    ) from None
+
+from .checkpoint_safety import allow_fairseq_checkpoints  # noqa: E402
+
+allow_fairseq_checkpoints()
+
+from . import architectures, transformer_qknorm  # noqa: E402,F401

@@ -1,0 +1,94 @@
+"""spm_train / spm_encode / spm_decode for the recipes: the sentencepiece wheel ships the library
+but not the C++ command-line tools. Flags follow the C++ tools for the options the recipes use."""
+import argparse
+import os
+import sys
+
+
+def _fail(message):
+    sys.exit(f"error: {message}")
+
+
+def train_main(argv=None):
+    parser = argparse.ArgumentParser(prog="fairseq-qknorm-spm-train", description="Train a sentencepiece model.")
+    parser.add_argument("--input", required=True, help="comma-separated training text files")
+    parser.add_argument("--model_prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
+    parser.add_argument("--vocab_size", type=int, default=8000)
+    parser.add_argument("--model_type", default="bpe", choices=["bpe", "unigram", "char", "word"])
+    parser.add_argument("--character_coverage", type=float, default=1.0)
+    parser.add_argument("--input_sentence_size", type=int, default=0, help="sample this many sentences (0: all)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed for --input_sentence_size sampling")
+    args = parser.parse_args(argv)
+    import sentencepiece as spm
+
+    inputs = args.input.split(",")
+    for path in inputs:
+        if not os.path.isfile(path):
+            _fail(f"--input: no such file: {path}")
+    spm.set_random_generator_seed(args.seed)
+    tmp_prefix = args.model_prefix + ".tmp"
+    try:
+        spm.SentencePieceTrainer.train(
+            input=inputs,
+            model_prefix=tmp_prefix,
+            vocab_size=args.vocab_size,
+            model_type=args.model_type,
+            character_coverage=args.character_coverage,
+            input_sentence_size=args.input_sentence_size,
+            shuffle_input_sentence=args.input_sentence_size > 0,
+            hard_vocab_limit=False,
+            minloglevel=1,
+        )
+    except RuntimeError as e:
+        _fail(f"sentencepiece training failed: {str(e).strip().splitlines()[-1]}")
+    for ext in (".model", ".vocab"):  # complete files only: a killed run leaves nothing behind
+        os.replace(tmp_prefix + ext, args.model_prefix + ext)
+
+
+def _load(model_path):
+    import sentencepiece as spm
+
+    if not os.path.isfile(model_path):
+        _fail(f"--model: no such sentencepiece model: {model_path}")
+    return spm.SentencePieceProcessor(model_file=model_path)
+
+
+def _lines(inputs):
+    if not inputs:
+        yield from sys.stdin
+        return
+    for path in inputs:
+        if not os.path.isfile(path):
+            _fail(f"no such input file: {path}")
+        with open(path, encoding="utf-8", errors="strict") as f:
+            try:
+                yield from f
+            except UnicodeDecodeError as e:
+                _fail(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})")
+
+
+def encode_main(argv=None):
+    parser = argparse.ArgumentParser(prog="fairseq-qknorm-spm-encode", description="Text to subword pieces.")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--output_format", default="piece", choices=["piece", "id"])
+    parser.add_argument("inputs", nargs="*", help="files (default: standard input)")
+    args = parser.parse_args(argv)
+    sp = _load(args.model)
+    out_type = str if args.output_format == "piece" else int
+    for line in _lines(args.inputs):
+        pieces = sp.encode(line.rstrip("\n"), out_type=out_type)
+        sys.stdout.write(" ".join(map(str, pieces)) + "\n")
+
+
+def decode_main(argv=None):
+    parser = argparse.ArgumentParser(prog="fairseq-qknorm-spm-decode", description="Subword pieces to text.")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--input_format", default="piece", choices=["piece", "id"])
+    parser.add_argument("inputs", nargs="*", help="files (default: standard input)")
+    args = parser.parse_args(argv)
+    sp = _load(args.model)
+    for line in _lines(args.inputs):
+        tokens = line.split()
+        if args.input_format == "id":
+            tokens = list(map(int, tokens))
+        sys.stdout.write(sp.decode(tokens) + "\n")

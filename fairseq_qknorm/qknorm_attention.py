@@ -1,0 +1,191 @@
+"""Query-Key Normalization (Henry et al., 2020): softmax(g * norm(Q) norm(K)^T) V.
+
+Per head, q and k are normalized along the head dimension and the dot products are multiplied by a
+learnable scalar g instead of 1/sqrt(d). V is untouched. Everything else (projections, masks, the
+incremental cache and its beam reordering) is fairseq's MultiheadAttention, which this subclasses.
+"""
+import math
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from fairseq import utils
+from fairseq.modules import MultiheadAttention
+from torch import Tensor, nn
+
+QK_NORMS = ("l2", "layernorm", "rmsnorm", "none")
+QK_SCALES = ("learned", "fixed", "none")
+
+
+def g0_for_length(length: float) -> float:
+    """The paper's initial g: log2(L^2 - L), L = a high percentile of training sentence lengths."""
+    if length < 2:
+        raise ValueError(f"--qk-scale-init auto: the length L must be at least 2, got {length}")
+    return math.log2(length * length - length)
+
+
+class QKScale(nn.Module):
+    """The scalar g (or one per head), kept in float32 whatever dtype the model is cast to:
+    near g = 12 the spacing of fp16 is ~0.008 and of bf16 ~0.06, so small updates would vanish."""
+
+    def __init__(self, init: float, num_heads: int, per_head: bool, learned: bool):
+        super().__init__()
+        g = torch.full((num_heads, 1, 1) if per_head else (), float(init))
+        if learned:
+            self.g = nn.Parameter(g)
+        else:
+            self.register_buffer("g", g)
+
+    def _apply(self, fn, recurse=True):
+        # Follow .to(device) / .cuda(), but not .half() / .bfloat16() / .to(dtype).
+        def keep_float32(t):
+            return t.to(device=fn(t.new_empty(0)).device)
+
+        return super()._apply(keep_float32, recurse)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (x.float() * self.g).type_as(x)
+
+
+class QKNormAttention(MultiheadAttention):
+    """fairseq MultiheadAttention with normalized queries and keys and a learned temperature.
+
+    qk_norm: "l2" (the paper), "layernorm" / "rmsnorm" per head (ViT-22B, OLMo 2, Qwen3), "none".
+    qk_scale: "learned" g, "fixed" g (the paper's "no g" ablation is fixed at 1), or "none" for the
+    usual 1/sqrt(head_dim).
+    """
+
+    def __init__(self, embed_dim, num_heads, qk_norm="l2", qk_scale="learned", qk_scale_init=None,
+                 qk_scale_per_head=False, **kwargs):
+        if kwargs.get("add_bias_kv") or kwargs.get("add_zero_attn"):
+            raise ValueError("QKNormAttention does not support add_bias_kv / add_zero_attn")
+        super().__init__(embed_dim, num_heads, **kwargs)
+        if qk_norm not in QK_NORMS:
+            raise ValueError(f"--qk-norm: expected one of {', '.join(QK_NORMS)}, got {qk_norm!r}")
+        if qk_scale not in QK_SCALES:
+            raise ValueError(f"--qk-scale: expected one of {', '.join(QK_SCALES)}, got {qk_scale!r}")
+        self.qk_norm = qk_norm
+        if qk_norm in ("layernorm", "rmsnorm"):
+            # Affine norms are not idempotent: keys are normalized once, before the cache.
+            norm = nn.LayerNorm if qk_norm == "layernorm" else nn.RMSNorm
+            self.q_norm, self.k_norm = norm(self.head_dim), norm(self.head_dim)
+        if qk_scale == "none":
+            self.qk_scale = None
+        else:
+            if qk_scale_init is None:
+                raise ValueError(f"--qk-scale {qk_scale} needs a numeric --qk-scale-init")
+            self.qk_scale = QKScale(qk_scale_init, num_heads, qk_scale_per_head, qk_scale == "learned")
+
+    def _normalize(self, x: Tensor, which: str) -> Tensor:
+        """x: (batch, heads, time, head_dim)."""
+        if self.qk_norm == "l2":
+            # In float32 (the sum of squares overflows fp16); eps keeps zero vectors at zero, not NaN.
+            return F.normalize(x.float(), dim=-1, eps=1e-6).type_as(x)
+        if self.qk_norm == "none":
+            return x
+        return getattr(self, which + "_norm")(x)
+
+    def _split_heads(self, x: Tensor) -> Tensor:
+        """(time, batch, embed) -> (batch, heads, time, head_dim)."""
+        t, b, _ = x.shape
+        return x.view(t, b, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Optional[Tensor],
+        value: Optional[Tensor],
+        key_padding_mask: Optional[Tensor] = None,
+        incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
+        need_weights: bool = True,
+        static_kv: bool = False,
+        attn_mask: Optional[Tensor] = None,
+        before_softmax: bool = False,
+        need_head_weights: bool = False,
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        need_weights = need_weights or need_head_weights
+        tgt_len, bsz, embed_dim = query.shape
+        saved = self._get_input_buffer(incremental_state) if incremental_state is not None else None
+
+        q = self._normalize(self._split_heads(self.q_proj(query)), "q")
+        if self.qk_scale is not None:
+            q = self.qk_scale(q)  # fold g into q: SDPA's scale is a Python float, g a tensor
+
+        if saved is not None and static_kv and "prev_key" in saved:
+            # Cross attention after the first step: keys and values come from the cache.
+            k, v = saved["prev_key"], saved["prev_value"]
+            key_padding_mask = saved["prev_key_padding_mask"]
+        else:
+            if self.self_attention:
+                key = value = query
+            elif self.encoder_decoder_attention and self.beam_size > 1 and key.size(1) == bsz:
+                # Beamable cross attention, as in fairseq: every hypothesis of one sentence shares
+                # the encoder output, so keep one copy per sentence.
+                key = value = key[:, :: self.beam_size]
+                if key_padding_mask is not None:
+                    key_padding_mask = key_padding_mask[:: self.beam_size]
+            k = self._normalize(self._split_heads(self.k_proj(key)), "k")
+            v = self._split_heads(self.v_proj(value))
+            if saved is not None:
+                if "prev_key" in saved:  # decoder self attention: append this step
+                    k = torch.cat([saved["prev_key"], k], dim=2)
+                    v = torch.cat([saved["prev_value"], v], dim=2)
+                key_padding_mask = self._append_prev_key_padding_mask(
+                    key_padding_mask, saved.get("prev_key_padding_mask"), k.size(0), k.size(2), static_kv
+                )
+                # Cached keys are already normalized: no step normalizes them again.
+                saved["prev_key"], saved["prev_value"] = k, v
+                saved["prev_key_padding_mask"] = key_padding_mask
+                self._set_input_buffer(incremental_state, saved)
+
+        # When the keys are shared by `group` hypotheses, fold them into the query time axis.
+        kv_bsz, src_len = k.size(0), k.size(2)
+        group = bsz // kv_bsz
+        if group > 1:
+            q = q.view(kv_bsz, group, self.num_heads, tgt_len, self.head_dim).transpose(1, 2)
+            q = q.reshape(kv_bsz, self.num_heads, group * tgt_len, self.head_dim)
+        mask = self._additive_mask(attn_mask, key_padding_mask, group, q.dtype)
+        scale = 1.0 if self.qk_scale is not None else self.head_dim ** -0.5
+        dropout_p = self.dropout_module.p if self.training or self.dropout_module.apply_during_inference else 0.0
+
+        weights = None
+        if not (need_weights or before_softmax):
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+        else:
+            scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+            if mask is not None:
+                scores = scores + mask
+            if before_softmax:
+                return self._unfold(scores, group, tgt_len).flatten(0, 1), v.flatten(0, 1)
+            weights = utils.softmax(scores, dim=-1, onnx_trace=self.onnx_trace)  # float32
+            attn = torch.matmul(self.dropout_module(weights.type_as(q)), v)
+            weights = self._unfold(weights, group, tgt_len).transpose(0, 1)  # (heads, bsz, tgt, src)
+            if not need_head_weights:
+                weights = weights.mean(dim=0)
+
+        attn = self._unfold(attn, group, tgt_len)  # (bsz, heads, tgt, head_dim)
+        attn = attn.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim)
+        return self.out_proj(attn), weights
+
+    def _unfold(self, x: Tensor, group: int, tgt_len: int) -> Tensor:
+        """Undo the folding of hypotheses into time: (kv_bsz, H, group*T, S) -> (bsz, H, T, S)."""
+        if group == 1:
+            return x
+        kv_bsz, heads, _, last = x.shape
+        return x.view(kv_bsz, heads, group, tgt_len, last).transpose(1, 2).reshape(-1, heads, tgt_len, last)
+
+    @staticmethod
+    def _additive_mask(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], group: int,
+                       dtype: torch.dtype) -> Optional[Tensor]:
+        """One additive mask (batch or 1, 1, group*tgt, src): fairseq's attn_mask (float -inf, or
+        bool True = blocked) plus key padding (nonzero = pad) as -inf."""
+        mask = None
+        if attn_mask is not None:
+            if attn_mask.dtype == torch.bool:
+                attn_mask = torch.zeros_like(attn_mask, dtype=dtype).masked_fill(attn_mask, float("-inf"))
+            mask = attn_mask.to(dtype).repeat(group, 1)[None, None]
+        if key_padding_mask is not None:
+            pad = key_padding_mask.bool()[:, None, None, :]
+            base = mask if mask is not None else torch.zeros((), dtype=dtype, device=pad.device)
+            mask = torch.where(pad, torch.tensor(float("-inf"), dtype=dtype, device=pad.device), base)
+        return mask

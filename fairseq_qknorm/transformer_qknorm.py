@@ -1,0 +1,197 @@
+"""The `transformer_qknorm` model: fairseq's transformer with QKNormAttention in every attention
+module, plus the paper's other switches (ScaleNorm, FixNorm, word dropout). Only the builders are
+overridden; forward passes are fairseq's own."""
+import logging
+import math
+
+from fairseq.distributed import fsdp_wrap
+from fairseq.models import register_model, register_model_architecture
+from fairseq.models.transformer import (
+    TransformerConfig,
+    TransformerDecoderBase,
+    TransformerEncoderBase,
+    TransformerModel,
+    base_architecture,
+)
+from fairseq.modules.checkpoint_activations import checkpoint_wrapper
+from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
+
+from .fixnorm import UnitNormEmbedding, UnitNormOutputProjection
+from .length_prior import g0_from_data
+from .qknorm_attention import QK_NORMS, QK_SCALES, QKNormAttention
+from .scale_norm import use_scale_norm
+from .word_dropout import word_dropout
+
+logger = logging.getLogger(__name__)
+
+NORM_TYPES = ("layernorm", "scalenorm")
+
+
+@register_model("transformer_qknorm")
+class TransformerQKNormModel(TransformerModel):
+    @classmethod
+    def add_args(cls, parser):
+        super().add_args(parser)
+        # No defaults here: the architectures set them (fairseq's convention).
+        parser.add_argument("--qk-norm", choices=QK_NORMS,
+                            help="normalize q and k per head: l2 (the paper), layernorm, rmsnorm, none")
+        parser.add_argument("--qk-scale", choices=QK_SCALES,
+                            help="scale of q.k: a learned scalar g, a fixed g, or none (1/sqrt(head_dim))")
+        parser.add_argument("--qk-scale-init", metavar="auto|FLOAT",
+                            help="initial g; auto = log2(L^2 - L), L from the training split")
+        parser.add_argument("--qk-length-percentile", type=float, metavar="P",
+                            help="percentile of training lengths that gives L for auto (default 97.5)")
+        parser.add_argument("--qk-scale-per-head", action="store_true",
+                            help="one g per head instead of one per attention module")
+        parser.add_argument("--norm-type", choices=NORM_TYPES,
+                            help="sublayer norm: layernorm, or scalenorm (Nguyen & Salazar 2019)")
+        parser.add_argument("--fixnorm", action="store_true",
+                            help="unit-length word embeddings (FixNorm)")
+        parser.add_argument("--word-dropout", type=float, metavar="P",
+                            help="replace input tokens by <unk> with probability P while training")
+
+    @classmethod
+    def build_model(cls, args, task):
+        qknorm_base_architecture(args)
+        args.qk_scale_init = resolve_qk_scale_init(args, task)
+        return super().build_model(args, task)
+
+    @classmethod
+    def build_embedding(cls, args, dictionary, embed_dim, path=None):
+        if not getattr(args, "fixnorm", False):
+            return super().build_embedding(args, dictionary, embed_dim, path)
+        if path:
+            raise ValueError("--fixnorm cannot be combined with pretrained embeddings (--*-embed-path)")
+        return UnitNormEmbedding(len(dictionary), embed_dim, dictionary.pad())
+
+    @classmethod
+    def build_encoder(cls, args, src_dict, embed_tokens):
+        return QKNormTransformerEncoder(TransformerConfig.from_namespace(args), src_dict, embed_tokens)
+
+    @classmethod
+    def build_decoder(cls, args, tgt_dict, embed_tokens):
+        cfg = TransformerConfig.from_namespace(args)
+        return QKNormTransformerDecoder(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
+
+
+def resolve_qk_scale_init(args, task) -> float:
+    """--qk-scale-init as a number. `auto` reads L from the binarized training split once, at
+    training time; the number replaces `auto` in the saved args, so loading never needs the data."""
+    value = args.qk_scale_init
+    if args.qk_scale == "none" or not isinstance(value, str):
+        return value
+    if value != "auto":
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"--qk-scale-init: expected 'auto' or a number, got {value!r}") from None
+    data = getattr(getattr(task, "cfg", None), "data", None)
+    if not data:
+        raise ValueError("--qk-scale-init auto needs the task's binarized training data; pass a number instead")
+    split = getattr(args, "train_subset", None) or "train"
+    length, g0 = g0_from_data(data, split, task.cfg.source_lang, task.cfg.target_lang, args.qk_length_percentile)
+    logger.info(f"qk-norm: L={length} ({args.qk_length_percentile:g}th percentile of '{split}' lengths) "
+                f"g0=log2(L^2-L)={g0:.4f}")
+    return g0
+
+
+def length_from_g0(g0: float) -> float:
+    """Inverse of g0 = log2(L^2 - L), to report L from a checkpoint."""
+    return (1 + math.sqrt(1 + 4 * 2.0 ** g0)) / 2
+
+
+def build_attention(embed_dim, num_heads, cfg, **kwargs):
+    return QKNormAttention(
+        embed_dim,
+        num_heads,
+        qk_norm=cfg.qk_norm,
+        qk_scale=cfg.qk_scale,
+        qk_scale_init=cfg.qk_scale_init,
+        qk_scale_per_head=cfg.qk_scale_per_head,
+        dropout=cfg.attention_dropout,
+        q_noise=cfg.quant_noise.pq,
+        qn_block_size=cfg.quant_noise.pq_block_size,
+        **kwargs,
+    )
+
+
+def wrap_layer(layer, cfg):
+    """What fairseq's build_encoder_layer / build_decoder_layer do around a new layer."""
+    if cfg.checkpoint_activations:
+        layer = checkpoint_wrapper(layer, offload_to_cpu=cfg.offload_activations)
+    return fsdp_wrap(layer, min_num_params=0 if cfg.checkpoint_activations else cfg.min_params_to_wrap)
+
+
+class QKNormEncoderLayer(TransformerEncoderLayerBase):
+    def __init__(self, cfg, return_fc=False):
+        super().__init__(cfg, return_fc)
+        if cfg.norm_type == "scalenorm":
+            use_scale_norm(self, ("self_attn_layer_norm", "final_layer_norm"))
+
+    def build_self_attention(self, embed_dim, cfg):
+        return build_attention(embed_dim, cfg.encoder.attention_heads, cfg, self_attention=True)
+
+
+class QKNormDecoderLayer(TransformerDecoderLayerBase):
+    def __init__(self, cfg, no_encoder_attn=False):
+        super().__init__(cfg, no_encoder_attn)
+        if cfg.norm_type == "scalenorm":
+            use_scale_norm(self, ("self_attn_layer_norm", "encoder_attn_layer_norm", "final_layer_norm"))
+
+    def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
+        return build_attention(embed_dim, cfg.decoder.attention_heads, cfg, add_bias_kv=add_bias_kv,
+                               add_zero_attn=add_zero_attn, self_attention=not cfg.cross_self_attention)
+
+    def build_encoder_attention(self, embed_dim, cfg):
+        return build_attention(embed_dim, cfg.decoder.attention_heads, cfg, kdim=cfg.encoder.embed_dim,
+                               vdim=cfg.encoder.embed_dim, encoder_decoder_attention=True)
+
+
+class QKNormTransformerEncoder(TransformerEncoderBase):
+    def __init__(self, cfg, dictionary, embed_tokens):
+        super().__init__(cfg, dictionary, embed_tokens)
+        self.word_dropout = cfg.word_dropout
+        if cfg.norm_type == "scalenorm":
+            use_scale_norm(self, ("layer_norm", "layernorm_embedding"))
+
+    def build_encoder_layer(self, cfg):
+        return wrap_layer(QKNormEncoderLayer(cfg), cfg)
+
+    def forward_embedding(self, src_tokens, token_embedding=None):
+        src_tokens = word_dropout(src_tokens, self.word_dropout, self.dictionary, self.training)
+        return super().forward_embedding(src_tokens, token_embedding)
+
+
+class QKNormTransformerDecoder(TransformerDecoderBase):
+    def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False):
+        super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn)
+        self.word_dropout = cfg.word_dropout
+        if cfg.norm_type == "scalenorm":
+            use_scale_norm(self, ("layer_norm", "layernorm_embedding"))
+
+    def build_decoder_layer(self, cfg, no_encoder_attn=False):
+        return wrap_layer(QKNormDecoderLayer(cfg, no_encoder_attn), cfg)
+
+    def build_output_projection(self, cfg, dictionary, embed_tokens):
+        super().build_output_projection(cfg, dictionary, embed_tokens)
+        if cfg.fixnorm and self.adaptive_softmax is None:
+            self.output_projection = UnitNormOutputProjection(self.output_projection.weight)
+
+    def extract_features(self, prev_output_tokens, *args, **kwargs):
+        prev_output_tokens = word_dropout(prev_output_tokens, self.word_dropout, self.dictionary, self.training)
+        return super().extract_features(prev_output_tokens, *args, **kwargs)
+
+
+@register_model_architecture("transformer_qknorm", "transformer_qknorm")
+def qknorm_base_architecture(args):
+    """fairseq's `transformer` (base dims, post-norm) with the paper's QK-norm in every attention.
+    Also fills in the plugin's args for checkpoints that predate one of them."""
+    args.qk_norm = getattr(args, "qk_norm", "l2")
+    args.qk_scale = getattr(args, "qk_scale", "learned")
+    args.qk_scale_init = getattr(args, "qk_scale_init", "auto")
+    args.qk_length_percentile = getattr(args, "qk_length_percentile", 97.5)
+    args.qk_scale_per_head = getattr(args, "qk_scale_per_head", False)
+    args.norm_type = getattr(args, "norm_type", "layernorm")
+    args.fixnorm = getattr(args, "fixnorm", False)
+    args.word_dropout = getattr(args, "word_dropout", 0.0)
+    base_architecture(args)
