@@ -12,7 +12,7 @@ setup(
     description="Query-Key Normalization for fairseq transformers (Henry et al., EMNLP Findings 2020)",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["fairseq_qknorm", "fairseq_qknorm.*"]),
+    packages=find_packages(include=["fairseq_qknorm", "fairseq_qknorm_cli"]),
     package_data={"fairseq_qknorm": ["config/*.yaml"]},
     python_requires=">=3.9",
     install_requires=["torch>=2.0", "numpy", "sentencepiece", "sacrebleu>=2.0"],
@@ -23,12 +23,13 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "fairseq-qknorm-user-dir = fairseq_qknorm.cli.user_dir:main",
-            "fairseq-qknorm-spm-train = fairseq_qknorm.cli.spm:train_main",
-            "fairseq-qknorm-spm-encode = fairseq_qknorm.cli.spm:encode_main",
-            "fairseq-qknorm-spm-decode = fairseq_qknorm.cli.spm:decode_main",
-            "fairseq-qknorm-toy-corpus = fairseq_qknorm.cli.toy_corpus:main",
-            "fairseq-qknorm-score = fairseq_qknorm.cli.score:main",
+            "fairseq-qknorm-user-dir = fairseq_qknorm_cli.user_dir:main",
+            "fairseq-qknorm-spm-train = fairseq_qknorm_cli.spm:train_main",
+            "fairseq-qknorm-spm-encode = fairseq_qknorm_cli.spm:encode_main",
+            "fairseq-qknorm-spm-decode = fairseq_qknorm_cli.spm:decode_main",
+            "fairseq-qknorm-toy-corpus = fairseq_qknorm_cli.toy_corpus:main",
+            "fairseq-qknorm-score = fairseq_qknorm_cli.score:main",
+            "fairseq-qknorm-inspect = fairseq_qknorm_cli.inspect:main",
         ]
     },
 )

@@ -1,0 +1,1 @@
+"""Console scripts of fairseq-qknorm. Only those that need fairseq import it."""

@@ -1,0 +1,80 @@
+"""Shared fixtures: a tiny generated corpus, its sentencepiece + fairseq-preprocess'ed form, and a
+QKNorm model trained on it through the real fairseq-train CLI (once per test session)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+USER_DIR = str(Path(__file__).resolve().parents[1] / "fairseq_qknorm")
+
+# A model small enough to train in seconds on 2 CPU cores.
+TINY_MODEL = [
+    "--encoder-layers", "2", "--decoder-layers", "2",
+    "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
+    "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
+    "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+]
+TRAIN_FLAGS = [
+    "--optimizer", "adam", "--lr", "0.003", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "20",
+    "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+    "--max-tokens", "1500", "--required-batch-size-multiple", "1", "--cpu", "--seed", "1",
+    "--log-format", "simple", "--log-interval", "5", "--no-epoch-checkpoints", "--num-workers", "0",
+]
+
+
+def run(cmd, check=True, **kwargs):
+    """Run a command; on failure show its output (the test's own assertion message)."""
+    cmd = [str(c) for c in cmd]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, **kwargs)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"command failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n"
+            f"--- stderr\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def tool(name):
+    return str(BIN / name)
+
+
+@pytest.fixture(scope="session")
+def toy_raw(tmp_path_factory):
+    from fairseq_qknorm_cli.toy_corpus import write_corpus
+
+    d = tmp_path_factory.mktemp("toy_raw")
+    write_corpus(d, train=800, dev=60, test=40, seed=3)
+    return d
+
+
+@pytest.fixture(scope="session")
+def toy_bin(toy_raw, tmp_path_factory):
+    """Binarized toy data (joined dictionary) plus the sentencepiece model, in one folder."""
+    d = tmp_path_factory.mktemp("toy_bin")
+    run([tool("fairseq-qknorm-spm-train"), "--input", f"{toy_raw}/train.src,{toy_raw}/train.tgt",
+         "--model_prefix", d / "spm", "--vocab_size", "200"])
+    for split in ("train", "dev", "test"):
+        for side in ("src", "tgt"):
+            out = run([tool("fairseq-qknorm-spm-encode"), "--model", d / "spm.model", toy_raw / f"{split}.{side}"])
+            (d / f"{split}.sp.{side}").write_text(out.stdout)
+    run([tool("fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
+         "--trainpref", d / "train.sp", "--validpref", d / "dev.sp", "--testpref", d / "test.sp",
+         "--joined-dictionary", "--destdir", d / "bin", "--workers", "1"])
+    return d
+
+
+def train(data_bin, save_dir, arch="transformer_qknorm", extra=(), max_update=40):
+    return run([tool("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--arch", arch, *TINY_MODEL,
+                *TRAIN_FLAGS, "--max-update", str(max_update), "--save-dir", save_dir, *extra])
+
+
+@pytest.fixture(scope="session")
+def trained(toy_bin, tmp_path_factory):
+    """A QKNorm model (the paper's system, tiny) trained for a few dozen updates: (bin dir, ckpt dir)."""
+    save = tmp_path_factory.mktemp("ckpt_qknorm")
+    train(toy_bin / "bin", save, arch="transformer_qknorm_paper", max_update=60)
+    return toy_bin / "bin", save
