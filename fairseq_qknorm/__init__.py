@@ -17,7 +17,9 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from None
 
 from .checkpoint_safety import allow_fairseq_checkpoints  # noqa: E402
+from .errors import install_excepthook  # noqa: E402
 
 allow_fairseq_checkpoints()
+install_excepthook()
 
 from . import architectures, transformer_qknorm  # noqa: E402,F401

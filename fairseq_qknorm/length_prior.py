@@ -8,16 +8,17 @@ import os
 
 import numpy as np
 
+from .errors import QKNormConfigError
 from .qknorm_attention import g0_for_length
 
 
 def length_percentile(lengths, percentile: float) -> int:
     """The `percentile`-th percentile of `lengths`, as an observed length (numpy's "lower")."""
     if not 0 < percentile <= 100:
-        raise ValueError(f"--qk-length-percentile: expected a value in (0, 100], got {percentile}")
+        raise QKNormConfigError(f"--qk-length-percentile: expected a value in (0, 100], got {percentile}")
     lengths = np.asarray(lengths)
     if lengths.size == 0:
-        raise ValueError("--qk-scale-init auto: the training split has no sentences")
+        raise QKNormConfigError("--qk-scale-init auto: the training split has no sentences")
     return int(np.percentile(lengths, percentile, method="lower"))
 
 
@@ -30,7 +31,7 @@ def binarized_lengths(data_dir: str, split: str, src: str, tgt: str, lang: str) 
         if os.path.exists(prefix + ".idx"):
             dataset = data_utils.load_indexed_dataset(prefix, None)
             return np.asarray(dataset.sizes) - 1
-    raise FileNotFoundError(
+    raise QKNormConfigError(
         f"--qk-scale-init auto: no training split '{split}.{src}-{tgt}.{lang}.idx' in {data_dir}; "
         "binarize the training data with fairseq-preprocess or pass --qk-scale-init FLOAT"
     )
@@ -38,8 +39,6 @@ def binarized_lengths(data_dir: str, split: str, src: str, tgt: str, lang: str) 
 
 def g0_from_data(data: str, split: str, src: str, tgt: str, percentile: float):
     """(L, g0) from the binarized training split (every shard of a colon-separated --data)."""
-    if not 0 < percentile <= 100:
-        raise ValueError(f"--qk-length-percentile: expected a value in (0, 100], got {percentile}")
     shards = [d for d in str(data).split(os.pathsep) if d]
     per_side = []
     for lang in (src, tgt):

@@ -13,6 +13,8 @@ from fairseq import utils
 from fairseq.modules import MultiheadAttention
 from torch import Tensor, nn
 
+from .errors import QKNormConfigError
+
 QK_NORMS = ("l2", "layernorm", "rmsnorm", "none")
 QK_SCALES = ("learned", "fixed", "none")
 
@@ -20,7 +22,7 @@ QK_SCALES = ("learned", "fixed", "none")
 def g0_for_length(length: float) -> float:
     """The paper's initial g: log2(L^2 - L), L = a high percentile of training sentence lengths."""
     if length < 2:
-        raise ValueError(f"--qk-scale-init auto: the length L must be at least 2, got {length}")
+        raise QKNormConfigError(f"--qk-scale-init auto: the length L must be at least 2, got {length}")
     return math.log2(length * length - length)
 
 
@@ -58,12 +60,12 @@ class QKNormAttention(MultiheadAttention):
     def __init__(self, embed_dim, num_heads, qk_norm="l2", qk_scale="learned", qk_scale_init=None,
                  qk_scale_per_head=False, **kwargs):
         if kwargs.get("add_bias_kv") or kwargs.get("add_zero_attn"):
-            raise ValueError("QKNormAttention does not support add_bias_kv / add_zero_attn")
+            raise QKNormConfigError("QKNormAttention does not support add_bias_kv / add_zero_attn")
         super().__init__(embed_dim, num_heads, **kwargs)
         if qk_norm not in QK_NORMS:
-            raise ValueError(f"--qk-norm: expected one of {', '.join(QK_NORMS)}, got {qk_norm!r}")
+            raise QKNormConfigError(f"--qk-norm: expected one of {', '.join(QK_NORMS)}, got {qk_norm!r}")
         if qk_scale not in QK_SCALES:
-            raise ValueError(f"--qk-scale: expected one of {', '.join(QK_SCALES)}, got {qk_scale!r}")
+            raise QKNormConfigError(f"--qk-scale: expected one of {', '.join(QK_SCALES)}, got {qk_scale!r}")
         self.qk_norm = qk_norm
         if qk_norm in ("layernorm", "rmsnorm"):
             # Affine norms are not idempotent: keys are normalized once, before the cache.
@@ -73,7 +75,7 @@ class QKNormAttention(MultiheadAttention):
             self.qk_scale = None
         else:
             if qk_scale_init is None:
-                raise ValueError(f"--qk-scale {qk_scale} needs a numeric --qk-scale-init")
+                raise QKNormConfigError(f"--qk-scale {qk_scale} needs a numeric --qk-scale-init")
             self.qk_scale = QKScale(qk_scale_init, num_heads, qk_scale_per_head, qk_scale == "learned")
 
     def _normalize(self, x: Tensor, which: str) -> Tensor:
@@ -158,6 +160,8 @@ class QKNormAttention(MultiheadAttention):
             if before_softmax:
                 return self._unfold(scores, group, tgt_len).flatten(0, 1), v.flatten(0, 1)
             weights = utils.softmax(scores, dim=-1, onnx_trace=self.onnx_trace)  # float32
+            if mask is not None:  # a query that may see no key gets zeros, as from SDPA, not NaN
+                weights = weights.masked_fill(torch.isneginf(mask).all(-1, keepdim=True), 0.0)
             attn = torch.matmul(self.dropout_module(weights.type_as(q)), v)
             weights = self._unfold(weights, group, tgt_len).transpose(0, 1)  # (heads, bsz, tgt, src)
             if not need_head_weights:

@@ -1,6 +1,7 @@
 """The `transformer_qknorm` model: fairseq's transformer with QKNormAttention in every attention
 module, plus the paper's other switches (ScaleNorm, FixNorm, word dropout). Only the builders are
 overridden; forward passes are fairseq's own."""
+import argparse
 import logging
 import math
 
@@ -16,6 +17,7 @@ from fairseq.models.transformer import (
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 
+from .errors import QKNormConfigError
 from .fixnorm import UnitNormEmbedding, UnitNormOutputProjection
 from .length_prior import g0_from_data
 from .qknorm_attention import QK_NORMS, QK_SCALES, QKNormAttention
@@ -37,9 +39,9 @@ class TransformerQKNormModel(TransformerModel):
                             help="normalize q and k per head: l2 (the paper), layernorm, rmsnorm, none")
         parser.add_argument("--qk-scale", choices=QK_SCALES,
                             help="scale of q.k: a learned scalar g, a fixed g, or none (1/sqrt(head_dim))")
-        parser.add_argument("--qk-scale-init", metavar="auto|FLOAT",
+        parser.add_argument("--qk-scale-init", metavar="auto|FLOAT", type=_auto_or_float,
                             help="initial g; auto = log2(L^2 - L), L from the training split")
-        parser.add_argument("--qk-length-percentile", type=float, metavar="P",
+        parser.add_argument("--qk-length-percentile", type=_percentile, metavar="P",
                             help="percentile of training lengths that gives L for auto (default 97.5)")
         parser.add_argument("--qk-scale-per-head", action="store_true",
                             help="one g per head instead of one per attention module")
@@ -61,7 +63,7 @@ class TransformerQKNormModel(TransformerModel):
         if not getattr(args, "fixnorm", False):
             return super().build_embedding(args, dictionary, embed_dim, path)
         if path:
-            raise ValueError("--fixnorm cannot be combined with pretrained embeddings (--*-embed-path)")
+            raise QKNormConfigError("--fixnorm cannot be combined with pretrained embeddings (--*-embed-path)")
         return UnitNormEmbedding(len(dictionary), embed_dim, dictionary.pad())
 
     @classmethod
@@ -74,6 +76,25 @@ class TransformerQKNormModel(TransformerModel):
         return QKNormTransformerDecoder(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
 
 
+def _auto_or_float(value: str):
+    if value == "auto":
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number, got {value!r}") from None
+
+
+def _percentile(value: str) -> float:
+    try:
+        p = float(value)
+    except ValueError:
+        p = float("nan")
+    if not 0 < p <= 100:
+        raise argparse.ArgumentTypeError(f"expected a percentile in (0, 100], got {value!r}")
+    return p
+
+
 def resolve_qk_scale_init(args, task) -> float:
     """--qk-scale-init as a number. `auto` reads L from the binarized training split once, at
     training time; the number replaces `auto` in the saved args, so loading never needs the data."""
@@ -84,10 +105,10 @@ def resolve_qk_scale_init(args, task) -> float:
         try:
             return float(value)
         except ValueError:
-            raise ValueError(f"--qk-scale-init: expected 'auto' or a number, got {value!r}") from None
+            raise QKNormConfigError(f"--qk-scale-init: expected 'auto' or a number, got {value!r}") from None
     data = getattr(getattr(task, "cfg", None), "data", None)
     if not data:
-        raise ValueError("--qk-scale-init auto needs the task's binarized training data; pass a number instead")
+        raise QKNormConfigError("--qk-scale-init auto needs the task's binarized training data; pass a number instead")
     split = getattr(args, "train_subset", None) or "train"
     length, g0 = g0_from_data(data, split, task.cfg.source_lang, task.cfg.target_lang, args.qk_length_percentile)
     logger.info(f"qk-norm: L={length} ({args.qk_length_percentile:g}th percentile of '{split}' lengths) "

@@ -78,3 +78,25 @@ def trained(toy_bin, tmp_path_factory):
     save = tmp_path_factory.mktemp("ckpt_qknorm")
     train(toy_bin / "bin", save, arch="transformer_qknorm_paper", max_update=60)
     return toy_bin / "bin", save
+
+
+def build_model(arch="transformer_qknorm", vocab=40, **overrides):
+    """A model built in-process through the architecture registry, as fairseq-train builds it
+    (without data: a numeric --qk-scale-init)."""
+    import argparse
+
+    from fairseq.data import Dictionary
+    from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
+
+    import fairseq_qknorm  # noqa: F401
+
+    d = Dictionary()
+    for i in range(vocab):
+        d.add_symbol(f"w{i}")
+    task = argparse.Namespace(source_dictionary=d, target_dictionary=d)
+    small = dict(encoder_layers=2, decoder_layers=2, encoder_embed_dim=32, decoder_embed_dim=32,
+                 encoder_ffn_embed_dim=64, decoder_ffn_embed_dim=64, encoder_attention_heads=4,
+                 decoder_attention_heads=4, dropout=0.0, qk_scale_init=6.0)
+    args = argparse.Namespace(arch=arch, **{**small, **overrides})
+    ARCH_CONFIG_REGISTRY[arch](args)
+    return ARCH_MODEL_REGISTRY[arch].build_model(args, task), d
