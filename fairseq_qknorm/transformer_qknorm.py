@@ -15,6 +15,7 @@ from fairseq.models.transformer import (
     base_architecture,
 )
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
+from omegaconf import OmegaConf
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 
 from .errors import QKNormConfigError
@@ -55,7 +56,11 @@ class TransformerQKNormModel(TransformerModel):
     @classmethod
     def build_model(cls, args, task):
         qknorm_base_architecture(args)
-        args.qk_scale_init = resolve_qk_scale_init(args, task)
+        args.qk_scale_init = resolve_qk_scale_init(args, task)  # in the config that is saved
+        if OmegaConf.is_config(args):
+            # fairseq-hydra-train: TransformerConfig.from_namespace keeps a Namespace's extra keys
+            # (the plugin's flags), not a DictConfig's.
+            args = argparse.Namespace(**OmegaConf.to_container(args, resolve=True))
         return super().build_model(args, task)
 
     @classmethod

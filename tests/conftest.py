@@ -29,6 +29,10 @@ def run(cmd, check=True, **kwargs):
     """Run a command; on failure show its output (the test's own assertion message)."""
     cmd = [str(c) for c in cmd]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    # Checkpoints must load with torch's safe unpickler, as users get it: nothing may turn it off.
+    for name in ("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_WEIGHTS_ONLY_LOAD"):
+        env.pop(name, None)
+    env.update(kwargs.pop("env", {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, **kwargs)
     if check and proc.returncode != 0:
         raise AssertionError(
@@ -76,7 +80,11 @@ def train(data_bin, save_dir, arch="transformer_qknorm", extra=(), max_update=40
 def trained(toy_bin, tmp_path_factory):
     """A QKNorm model (the paper's system, tiny) trained for a few dozen updates: (bin dir, ckpt dir)."""
     save = tmp_path_factory.mktemp("ckpt_qknorm")
-    train(toy_bin / "bin", save, arch="transformer_qknorm_paper", max_update=60)
+    # --eval-bleu puts numpy objects in the checkpoint: loading it exercises the whole allow-list.
+    proc = train(toy_bin / "bin", save, arch="transformer_qknorm_paper", max_update=60, extra=[
+        "--eval-bleu", "--eval-bleu-args", '{"beam": 1, "max_len_b": 40}', "--eval-bleu-remove-bpe", "sentencepiece",
+        "--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric"])
+    (save / "train.log").write_text(proc.stdout + proc.stderr)
     return toy_bin / "bin", save
 
 

@@ -1,0 +1,109 @@
+"""The plugin through fairseq's real command-line tools, in subprocesses, on a generated corpus:
+fairseq-preprocess (fixture), fairseq-train, resume, fairseq-generate, fairseq-interactive, hub
+loading, fairseq-hydra-train; every checkpoint read by torch's safe (weights_only) unpickler."""
+import math
+import re
+import shutil
+import textwrap
+
+import pytest
+
+import fairseq_qknorm  # noqa: F401  (allow-lists fairseq checkpoint classes for torch.load)
+from conftest import TINY_MODEL, USER_DIR, run, tool, train
+
+
+def hypotheses(stdout):
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"^H-(\d+)\t\S+\t(.*)$", stdout, re.M)}
+
+
+def test_train_logs_L_and_g0_and_saves_g0(trained):
+    import torch
+
+    _, save = trained
+    log = (save / "train.log").read_text()
+    m = re.search(r"qk-norm: L=(\d+) \(97.5th percentile of 'train' lengths\) g0=log2\(L\^2-L\)=([\d.]+)", log)
+    assert m, log[-3000:]
+    length, g0 = int(m.group(1)), float(m.group(2))
+    ckpt = torch.load(save / "checkpoint_best.pt")  # weights_only=True, torch's default
+    assert ckpt["cfg"]["model"].qk_scale_init == pytest.approx(g0, abs=1e-4)
+    assert g0 == pytest.approx(math.log2(length * length - length), abs=1e-4)
+    gs = {k: v for k, v in ckpt["model"].items() if k.endswith("qk_scale.g")}
+    assert len(gs) == 2 + 2 * 2  # 2 encoder layers (self) + 2 decoder layers (self, cross)
+    assert all(v.dtype == torch.float32 for v in gs.values())
+    assert any(abs(v.item() - g0) > 1e-4 for v in gs.values()), "g did not learn"
+
+
+def test_checkpoint_needs_the_plugin_to_load_safely(trained):
+    """Without the plugin's allow-list torch refuses the checkpoint; with it, it loads. No
+    environment variable or weights_only=False is involved."""
+    _, save = trained
+    code = "import sys, torch; torch.load(sys.argv[1])"
+    bare = run([tool("python"), "-c", code, save / "checkpoint_best.pt"], check=False)
+    assert bare.returncode != 0 and "argparse.Namespace" in bare.stderr
+    run([tool("python"), "-c", "import fairseq_qknorm; " + code, save / "checkpoint_best.pt"])
+
+
+def test_resume_from_checkpoint_last(trained, tmp_path):
+    data, save = trained
+    resumed = tmp_path / "ckpt"
+    shutil.copytree(save, resumed)
+    proc = train(data, resumed, arch="transformer_qknorm_paper", max_update=70)
+    out = proc.stdout + proc.stderr
+    assert re.search(r"Loaded checkpoint .*checkpoint_last\.pt \(epoch \d+ @ 60 updates\)", out), out[-3000:]
+    assert "num_updates 70" in out
+
+
+def test_generate_beam4_translates_every_sentence(trained, toy_raw):
+    data, save = trained
+    proc = run([tool("fairseq-generate"), data, "--user-dir", USER_DIR, "--path", save / "checkpoint_best.pt",
+                "--beam", "4", "--batch-size", "16", "--required-batch-size-multiple", "1",
+                "--remove-bpe", "sentencepiece", "--cpu"])
+    hyps = hypotheses(proc.stdout)
+    n_test = len((toy_raw / "test.src").read_text().splitlines())
+    assert sorted(hyps) == list(range(n_test))
+    assert "BLEU4 = " in proc.stdout
+
+
+def test_interactive_translates_stdin(trained, toy_bin):
+    data, save = trained
+    lines = (toy_bin / "test.sp.src").read_text().splitlines()[:3]
+    proc = run([tool("fairseq-interactive"), data, "--user-dir", USER_DIR, "--path", save / "checkpoint_best.pt",
+                "--beam", "4", "--source-lang", "src", "--target-lang", "tgt", "--cpu"],
+               input="\n".join(lines) + "\n")
+    assert sorted(hypotheses(proc.stdout)) == [0, 1, 2]
+
+
+def test_hub_from_pretrained_translates(trained, toy_bin, toy_raw):
+    data, save = trained
+    sentence = (toy_raw / "test.src").read_text().splitlines()[0]
+    code = textwrap.dedent(f"""
+        from fairseq.models.transformer import TransformerModel
+        hub = TransformerModel.from_pretrained({str(save)!r}, checkpoint_file="checkpoint_best.pt",
+            data_name_or_path={str(data)!r}, user_dir={USER_DIR!r}, bpe="sentencepiece",
+            sentencepiece_model={str(toy_bin / 'spm.model')!r}, source_lang="src", target_lang="tgt")
+        print("OUT:" + hub.translate({sentence!r}, beam=4))
+        print("G:" + str(float(hub.models[0].encoder.layers[0].self_attn.qk_scale.g)))
+    """)
+    proc = run([tool("python"), "-c", code])
+    out = re.search(r"^OUT:(.+)$", proc.stdout, re.M)
+    assert out and out.group(1).strip(), proc.stdout
+    assert "▁" not in out.group(1)  # sentencepiece was decoded
+
+
+def test_hydra_train_with_the_shipped_config(toy_bin, tmp_path):
+    save = tmp_path / "ckpt"
+    overrides = [f"+model.{flag[2:].replace('-', '_')}={value}" for flag, value in zip(TINY_MODEL[::2], TINY_MODEL[1::2])]
+    proc = run([tool("fairseq-hydra-train"), "--config-dir", f"{USER_DIR}/config", "--config-name", "ted_glen_qknorm",
+                f"task.data={toy_bin / 'bin'}", f"common.user_dir={USER_DIR}", "task.eval_bleu=false",
+                "checkpoint.best_checkpoint_metric=loss", "checkpoint.maximize_best_checkpoint_metric=false",
+                "optimization.max_update=3", f"checkpoint.save_dir={save}", "common.cpu=true",
+                "dataset.num_workers=0", "+model.qk_norm=rmsnorm", *overrides])
+    out = proc.stdout + proc.stderr
+    assert "qk-norm: L=" in out and "num_updates 3" in out, out[-3000:]
+    import torch
+
+
+    ckpt = torch.load(save / "checkpoint_last.pt")
+    assert ckpt["cfg"]["model"]["_name"] == "transformer_qknorm_paper_glen"
+    assert isinstance(ckpt["cfg"]["model"]["qk_scale_init"], float)
+    assert any(k.endswith("self_attn.q_norm.weight") for k in ckpt["model"])  # rmsnorm took effect
