@@ -71,9 +71,9 @@ def toy_bin(toy_raw, tmp_path_factory):
     return d
 
 
-def train(data_bin, save_dir, arch="transformer_qknorm", extra=(), max_update=40):
-    return run([tool("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--arch", arch, *TINY_MODEL,
-                *TRAIN_FLAGS, "--max-update", str(max_update), "--save-dir", save_dir, *extra])
+def train(data_bin, save_dir, arch="transformer_qknorm", extra=(), max_update=40, model=TINY_MODEL, **kwargs):
+    return run([tool("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--arch", arch, *model,
+                *TRAIN_FLAGS, "--max-update", str(max_update), "--save-dir", save_dir, *extra], **kwargs)
 
 
 @pytest.fixture(scope="session")
@@ -89,7 +89,7 @@ def trained(toy_bin, tmp_path_factory):
 
 
 def build_model(arch="transformer_qknorm", vocab=40, **overrides):
-    """A model built in-process through the architecture registry, as fairseq-train builds it
+    """A small model built in-process through the architecture registry, as fairseq-train builds it
     (without data: a numeric --qk-scale-init)."""
     import argparse
 
@@ -105,6 +105,7 @@ def build_model(arch="transformer_qknorm", vocab=40, **overrides):
     small = dict(encoder_layers=2, decoder_layers=2, encoder_embed_dim=32, decoder_embed_dim=32,
                  encoder_ffn_embed_dim=64, decoder_ffn_embed_dim=64, encoder_attention_heads=4,
                  decoder_attention_heads=4, dropout=0.0, qk_scale_init=6.0)
-    args = argparse.Namespace(arch=arch, **{**small, **overrides})
+    # an override of None leaves that setting to the architecture
+    args = argparse.Namespace(arch=arch, **{k: v for k, v in {**small, **overrides}.items() if v is not None})
     ARCH_CONFIG_REGISTRY[arch](args)
     return ARCH_MODEL_REGISTRY[arch].build_model(args, task), d

@@ -1,0 +1,46 @@
+"""Every architecture the plugin registers builds at its own size and trains one update."""
+import pytest
+import torch
+
+import fairseq_qknorm  # noqa: F401
+from conftest import build_model, train
+from fairseq.models import ARCH_MODEL_REGISTRY
+from fairseq_qknorm.qknorm_attention import QKNormAttention
+from fairseq_qknorm.scale_norm import ScaleNorm
+
+ARCHS = sorted(a for a, m in ARCH_MODEL_REGISTRY.items() if m.__module__.startswith("fairseq_qknorm"))
+
+
+def test_the_expected_architectures_are_registered():
+    assert ARCHS == ["transformer_qknorm", "transformer_qknorm_iwslt_de_en", "transformer_qknorm_paper",
+                     "transformer_qknorm_paper_glen", "transformer_scalenorm_paper", "transformer_scalenorm_paper_glen"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_trains_one_update_at_its_own_size(arch, toy_bin, tmp_path):
+    proc = train(toy_bin / "bin", tmp_path / "ckpt", arch=arch, model=(), max_update=1,
+                 extra=["--max-tokens", "400", "--no-save", "--disable-validation"])
+    assert "num_updates 1" in proc.stdout + proc.stderr
+
+
+def test_paper_arms_differ_only_in_norm_and_attention():
+    qk, _ = build_model("transformer_qknorm_paper_glen", qk_scale_init=12.0, encoder_embed_dim=512,
+                        decoder_embed_dim=512, encoder_ffn_embed_dim=2048, decoder_ffn_embed_dim=2048,
+                        encoder_layers=None, decoder_layers=None, encoder_attention_heads=None,
+                        decoder_attention_heads=None, dropout=None)
+    base, _ = build_model("transformer_scalenorm_paper_glen", qk_scale_init=12.0, encoder_embed_dim=512,
+                          decoder_embed_dim=512, encoder_ffn_embed_dim=2048, decoder_ffn_embed_dim=2048,
+                          encoder_layers=None, decoder_layers=None, encoder_attention_heads=None,
+                          decoder_attention_heads=None, dropout=None)
+    for model in (qk, base):
+        assert len(model.encoder.layers) == 4 and len(model.decoder.layers) == 4
+        assert model.encoder.layers[0].self_attn.num_heads == 4
+        assert model.decoder.embed_tokens is model.encoder.embed_tokens  # shared embeddings
+        assert model.encoder.layers[0].normalize_before and model.decoder.layers[0].normalize_before
+    attn = [m for m in qk.modules() if isinstance(m, QKNormAttention)]
+    assert len(attn) == 4 + 4 * 2 and all(a.qk_norm == "l2" and a.qk_scale.g.item() == 12.0 for a in attn)
+    assert not any(isinstance(m, ScaleNorm) for m in qk.modules())
+    base_attn = [m for m in base.modules() if isinstance(m, QKNormAttention)]
+    assert all(a.qk_norm == "none" and a.qk_scale is None for a in base_attn)
+    assert not any(isinstance(m, torch.nn.LayerNorm) for m in base.modules())
+    assert sum(isinstance(m, ScaleNorm) for m in base.modules()) == 4 * 2 + 4 * 3 + 2
