@@ -97,7 +97,7 @@ def test_hydra_train_with_the_shipped_config(toy_bin, tmp_path):
                 f"task.data={toy_bin / 'bin'}", f"common.user_dir={USER_DIR}", "task.eval_bleu=false",
                 "checkpoint.best_checkpoint_metric=loss", "checkpoint.maximize_best_checkpoint_metric=false",
                 "optimization.max_update=3", f"checkpoint.save_dir={save}", "common.cpu=true",
-                "dataset.num_workers=0", "+model.qk_norm=rmsnorm", *overrides])
+                "dataset.num_workers=0", "+model.qk_norm=rmsnorm", *overrides], cwd=tmp_path)  # hydra writes outputs/ in cwd
     out = proc.stdout + proc.stderr
     assert "qk-norm: L=" in out and "num_updates 3" in out, out[-3000:]
     import torch
