@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 PYTHON=${PYTHON:-python3}
-FAIRSEQ_DIST=${FAIRSEQ_DIST:-ve-fairseq==0.12.3}
+FAIRSEQ_DIST=ve-fairseq==0.12.3
 
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
