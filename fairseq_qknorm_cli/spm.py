@@ -67,28 +67,28 @@ def _lines(inputs):
                 _fail(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})")
 
 
-def encode_main(argv=None):
-    parser = argparse.ArgumentParser(prog="fairseq-qknorm-spm-encode", description="Text to subword pieces.")
+def _convert_args(argv, prog, description, format_flag):
+    """The shared command line of spm-encode / spm-decode: (model, format, input lines)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--model", required=True)
-    parser.add_argument("--output_format", default="piece", choices=["piece", "id"])
+    parser.add_argument(format_flag, default="piece", choices=["piece", "id"])
     parser.add_argument("inputs", nargs="*", help="files (default: standard input)")
     args = parser.parse_args(argv)
-    sp = _load(args.model)
-    out_type = str if args.output_format == "piece" else int
-    for line in _lines(args.inputs):
+    return _load(args.model), getattr(args, format_flag[2:]), _lines(args.inputs)
+
+
+def encode_main(argv=None):
+    sp, fmt, lines = _convert_args(argv, "fairseq-qknorm-spm-encode", "Text to subword pieces.", "--output_format")
+    out_type = str if fmt == "piece" else int
+    for line in lines:
         pieces = sp.encode(line.rstrip("\n"), out_type=out_type)
         sys.stdout.write(" ".join(map(str, pieces)) + "\n")
 
 
 def decode_main(argv=None):
-    parser = argparse.ArgumentParser(prog="fairseq-qknorm-spm-decode", description="Subword pieces to text.")
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--input_format", default="piece", choices=["piece", "id"])
-    parser.add_argument("inputs", nargs="*", help="files (default: standard input)")
-    args = parser.parse_args(argv)
-    sp = _load(args.model)
-    for line in _lines(args.inputs):
+    sp, fmt, lines = _convert_args(argv, "fairseq-qknorm-spm-decode", "Subword pieces to text.", "--input_format")
+    for line in lines:
         tokens = line.split()
-        if args.input_format == "id":
+        if fmt == "id":
             tokens = list(map(int, tokens))
         sys.stdout.write(sp.decode(tokens) + "\n")
