@@ -141,7 +141,7 @@ class QKNormAttention(MultiheadAttention):
                 self._set_input_buffer(incremental_state, saved)
 
         # When the keys are shared by `group` hypotheses, fold them into the query time axis.
-        kv_bsz, src_len = k.size(0), k.size(2)
+        kv_bsz = k.size(0)
         group = bsz // kv_bsz
         if group > 1:
             q = q.view(kv_bsz, group, self.num_heads, tgt_len, self.head_dim).transpose(1, 2)
