@@ -1,0 +1,116 @@
+"""PNG figures for fairseq-qknorm-inspect: attention heatmaps of one sentence (checkpoints side by
+side, one row per layer) and the learned temperature g over training. matplotlib is an optional
+extra (`pip install fairseq-qknorm[plot]`); it is imported only here, only when a figure is drawn.
+Figures are drawn without pyplot (no global state, no display needed) and written to a temporary
+name, then renamed, so a PNG on disk is always complete."""
+import os
+import sys
+import textwrap
+
+DPI = 100
+G_HISTORY_INCHES = (9.0, 5.5)
+_KIND_COLORMAP = {"encoder self": "Blues", "decoder self": "Greens", "decoder cross": "Oranges"}
+_AXES = {  # (x label, y label) per kind: keys along x, queries along y
+    "encoder self": ("source token (key)", "source token (query)"),
+    "decoder self": ("decoder input token (key)", "target token being predicted"),
+    "decoder cross": ("source token", "target token being predicted"),
+}
+
+
+def panel_inches(n_tokens: int) -> float:
+    """Side of one heatmap panel along an axis of n tokens: room for a readable label per token."""
+    return round(min(14.0, max(3.5, 1.6 + 0.22 * n_tokens)), 1)
+
+
+def _wrap(title, inches):
+    """Wrap each line of a title to the figure's width (about 11 characters an inch at 12 pt)."""
+    return "\n".join(textwrap.fill(line, max(20, int(11 * inches))) for line in title.split("\n"))
+
+
+def require_matplotlib():
+    """Called before any work, so that a missing extra is said at once, not after loading models."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        sys.exit("error: --png-dir needs matplotlib: pip install 'fairseq-qknorm[plot]'")
+
+
+def _figure(width, height):
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+
+
+def _save(fig, path):
+    tmp = path + ".tmp"
+    try:
+        fig.savefig(tmp, format="png", dpi=DPI)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    os.replace(tmp, path)
+    width, height = fig.get_size_inches()
+    return {"path": path, "width": round(width * DPI), "height": round(height * DPI)}
+
+
+def attention_heatmaps(path, kind, title, panels):
+    """panels[row][col] = (panel title, (tgt, src) weights, query tokens, key tokens) or None:
+    one row per layer, one column per checkpoint. Returns {"path", "width", "height"} in pixels."""
+    nrows, ncols = len(panels), len(panels[0])
+    present = [p for row in panels for p in row if p is not None]
+    width = panel_inches(max(len(p[3]) for p in present))
+    height = panel_inches(max(len(p[2]) for p in present))
+    fig = _figure(ncols * width, nrows * height)
+    fig.suptitle(_wrap(title, ncols * width))
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    xlabel, ylabel = _AXES[kind]
+    image = None
+    for row in range(nrows):
+        for col in range(ncols):
+            ax, panel = axes[row][col], panels[row][col]
+            if panel is None:  # this checkpoint has fewer layers
+                ax.set_axis_off()
+                continue
+            panel_title, weights, queries, keys = panel
+            image = ax.imshow(weights.numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto",
+                              interpolation="nearest")
+            ax.set_title(panel_title, fontsize="medium")
+            ax.set_xticks(range(len(keys)), keys, rotation=90, fontsize="small")
+            ax.set_yticks(range(len(queries)), queries, fontsize="small")
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+    # One scale for every panel, 0 to 1, so that saturation looks the same in every model.
+    fig.colorbar(image, ax=axes.ravel().tolist(), label="attention weight (mean over heads)", shrink=0.6)
+    return _save(fig, path)
+
+
+def g_history(path, title, updates, series, g0, reference_range):
+    """series: {label: (kind, layer, values per checkpoint)}; g0: the initial g (or None);
+    reference_range: (low, high) of g read off trained QKNorm heads by Bricken & Pehlevan."""
+    fig = _figure(*G_HISTORY_INCHES)
+    ax = fig.subplots()
+    from matplotlib import colormaps
+
+    layers = 1 + max(layer for _, layer, _ in series.values())
+    labelled = set()
+    for label, (kind, layer, values) in series.items():
+        color = colormaps[_KIND_COLORMAP[kind]](0.45 + 0.5 * layer / max(layers - 1, 1))
+        legend = f"{kind}, layer {layer}"
+        ax.plot(updates, values, marker="o", markersize=3, color=color,
+                label=None if legend in labelled else legend)  # heads of one module share an entry
+        labelled.add(legend)
+    if g0 is not None:
+        ax.axhline(g0, color="grey", linestyle="--", label=f"g0 = {g0:.2f}")
+    # The 10-25 band is drawn for reference without widening the axis to it.
+    bottom, top = ax.get_ylim()
+    low, high = reference_range
+    ax.axhspan(low, high, color="tab:purple", alpha=0.08,
+               label=f"{low:g}-{high:g}: g of trained QKNorm heads (Bricken & Pehlevan)")
+    ax.set_ylim(bottom, top)
+    ax.set_title(_wrap(title, G_HISTORY_INCHES[0]))
+    ax.set_xlabel("training updates")
+    ax.set_ylabel("learned temperature g")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", ncol=2 if len(labelled) > 8 else 1)
+    return _save(fig, path)

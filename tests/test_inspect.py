@@ -1,0 +1,207 @@
+"""fairseq-qknorm-inspect on tiny models trained here: the g it prints are the checkpoint's, its
+attention statistics agree with ones computed independently, its PNGs are real images, and a
+checkpoint without QKNorm gets one clear line."""
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import run, tool, train
+
+from fairseq_qknorm_cli import inspect as inspect_cli
+from fairseq_qknorm_cli import plots
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These tests run tiny models in this process: on a busy 2-core machine, torch's second thread
+    only spins (each small matmul then takes milliseconds)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def baseline(toy_bin, tmp_path_factory):
+    """fairseq's stock transformer (stock MultiheadAttention), a few updates on the same data."""
+    save = tmp_path_factory.mktemp("ckpt_stock")
+    train(toy_bin / "bin", save, arch="transformer", extra=["--no-epoch-checkpoints", "--disable-validation"],
+          max_update=3)
+    return save / "checkpoint_last.pt"
+
+
+def inspect_json(capsys, *args):
+    inspect_cli.main([str(a) for a in args] + ["--json", "--cpu"])
+    return json.loads(capsys.readouterr().out)
+
+
+def checkpoint_g(path):
+    import fairseq_qknorm  # noqa: F401  (allow-lists the checkpoint's classes)
+
+    model = torch.load(path, map_location="cpu", weights_only=True)["model"]
+    return {k: v for k, v in model.items() if k.endswith(".qk_scale.g")}
+
+
+def test_printed_g_are_the_checkpoint_parameters(trained, capsys):
+    _, save = trained
+    path = save / "checkpoint_last.pt"
+    params = checkpoint_g(path)
+    assert len(params) == 6  # TINY_MODEL: 2 encoder self, 2 decoder self, 2 decoder cross
+    side = {"encoder self": "encoder.layers.{}.self_attn", "decoder self": "decoder.layers.{}.self_attn",
+            "decoder cross": "decoder.layers.{}.encoder_attn"}
+
+    (t,) = inspect_json(capsys, path)["temperatures"]
+    assert len(t["g"]) == len(params)
+    for row in t["g"]:
+        assert row["head"] is None
+        assert row["g"] == params[side[row["module"]].format(row["layer"]) + ".qk_scale.g"].item()
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    assert t["g0"] == saved["cfg"]["model"].qk_scale_init
+    assert t["L"] ** 2 - t["L"] == pytest.approx(2 ** t["g0"])
+    assert t["num_updates"] == saved["optimizer_history"][-1]["num_updates"]
+
+    inspect_cli.main([str(path)])
+    text = capsys.readouterr().out
+    table = [line.split() for line in text.splitlines()]
+    for row in t["g"]:  # e.g. "decoder cross  1  -  10.8929  -0.1853"
+        cells = row["module"].split() + [str(row["layer"]), "-", f"{row['g']:.4f}", f"{row['g'] - t['g0']:+.4f}"]
+        assert cells in table, (cells, text)
+    assert text.rstrip().splitlines()[-1].startswith("summary: 6 g from")
+
+
+def test_checkpoint_without_qknorm_gets_one_line(baseline):
+    proc = run([tool("fairseq-qknorm-inspect"), baseline], check=False)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and str(baseline) in last and "no QKNorm temperature g" in last
+
+
+def _modules(model):
+    from fairseq_qknorm_cli.attention_stats import attention_module
+
+    return {attention_module(n): m for n, m in model.named_modules() if attention_module(n)}
+
+
+def _head_weights(module, call):
+    """(heads, tgt, src) weights of one attention call, not through the tool's recording."""
+    from fairseq_qknorm.qknorm_attention import QKNormAttention
+
+    if isinstance(module, QKNormAttention):
+        _, w = module(**{**call, "need_weights": True, "need_head_weights": True})
+        return w[:, 0]
+    # fairseq's stock attention: recompute it with torch's own implementation, per head.
+    _, w = F.multi_head_attention_forward(
+        call["query"], call["key"], call["value"], module.embed_dim, module.num_heads, None,
+        torch.cat([module.q_proj.bias, module.k_proj.bias, module.v_proj.bias]), None, None, False, 0.0,
+        module.out_proj.weight, module.out_proj.bias, training=False, key_padding_mask=call.get("key_padding_mask"),
+        need_weights=True, attn_mask=call.get("attn_mask"), use_separate_proj_weight=True,
+        q_proj_weight=module.q_proj.weight, k_proj_weight=module.k_proj.weight, v_proj_weight=module.v_proj.weight,
+        average_attn_weights=False)
+    return w[0]
+
+
+def independent_stats(path, data):
+    """The statistics, one unpadded sentence pair at a time, from weights captured here."""
+    import fairseq_qknorm  # noqa: F401
+    from fairseq import checkpoint_utils
+
+    (model,), _, task = checkpoint_utils.load_model_ensemble_and_task([str(path)], arg_overrides={"data": str(data)})
+    model.eval()
+    task.load_dataset("valid")
+    dataset = task.dataset("valid")
+    eos = task.target_dictionary.eos()
+    modules = _modules(model)
+    sums = {where: [0, 0.0, 0.0, 0] for where in modules}  # rows, entropy, max weight, saturated
+    for i in range(len(dataset)):
+        src, tgt = dataset[i]["source"], dataset[i]["target"]
+        prev = torch.cat([torch.tensor([eos]), tgt[:-1]])
+        calls = {}
+        hooks = [m.register_forward_pre_hook(lambda m, a, kw, where=w: calls.__setitem__(where, kw), with_kwargs=True)
+                 for w, m in modules.items()]
+        with torch.no_grad():
+            model(src[None], torch.tensor([len(src)]), prev[None])
+            for h in hooks:
+                h.remove()
+            for where, module in modules.items():
+                w = _head_weights(module, calls[where]).double()
+                if where[0] == "decoder self":
+                    w = w[:, 1:]  # the first target position has one key only: no choice
+                s = sums[where]
+                s[0] += w.shape[0] * w.shape[1]
+                s[1] += float(-(w * w.clamp_min(1e-300).log()).sum())
+                s[2] += float(w.max(dim=-1).values.sum())
+                s[3] += int((w.max(dim=-1).values > 0.9).sum())
+    return {where: {"rows": r, "entropy": e / r, "max_weight": m / r, "saturated": n / r}
+            for where, (r, e, m, n) in sums.items()}, len(dataset)
+
+
+def test_attention_statistics_match_independent_computation(trained, baseline, capsys):
+    data, save = trained
+    qknorm = save / "checkpoint_last.pt"
+    report = inspect_json(capsys, baseline, qknorm, "--data", data, "--subset", "valid")["attention"]
+    assert [c["checkpoint"] for c in report["checkpoints"]] == [str(baseline), str(qknorm)]
+    g = {k: v.item() for k, v in checkpoint_g(qknorm).items()}
+    for run_, path in zip(report["checkpoints"], (baseline, qknorm)):
+        expected, sentences = independent_stats(path, data)
+        assert run_["sentences"] == sentences
+        got = {(m["module"], m["layer"]): m for m in run_["modules"]}
+        assert set(got) == set(expected) and len(got) == 6
+        for where, e in expected.items():
+            m = got[where]
+            assert m["rows"] == e["rows"]  # padding and the one-key rows left out, nothing else
+            for key in ("entropy", "max_weight", "saturated"):
+                assert m[key] == pytest.approx(e[key], abs=2e-5), (path.parent.name, where, key)
+            assert math.isfinite(m["logit_min"]) and m["logit_min"] < m["logit_max"]
+            if path == qknorm:  # unit q and k: every logit is g * cos, inside [-g, g]
+                side, layer = ("encoder", where[1]) if where[0] == "encoder self" else ("decoder", where[1])
+                name = "encoder_attn" if where[0] == "decoder cross" else "self_attn"
+                bound = g[f"{side}.layers.{layer}.{name}.qk_scale.g"]
+                assert -bound - 1e-4 <= m["logit_min"] and m["logit_max"] <= bound + 1e-4
+
+    inspect_cli.print_attention(report)
+    table = [line.split() for line in capsys.readouterr().out.splitlines()]
+    for base, qk in zip(*(c["modules"] for c in report["checkpoints"])):  # side by side, one row each
+        assert [*base["module"].split(), str(base["layer"]), f"{base['entropy']:.3f}", f"{base['max_weight']:.3f}",
+                f"{100 * base['saturated']:.1f}%", f"{base['logit_min']:.2f}", "..", f"{base['logit_max']:.2f}",
+                f"{qk['entropy']:.3f}", f"{qk['max_weight']:.3f}", f"{100 * qk['saturated']:.1f}%",
+                f"{qk['logit_min']:.2f}", "..", f"{qk['logit_max']:.2f}"] in table
+
+
+def _png_size(path):
+    from PIL import Image
+
+    with Image.open(path) as image:
+        assert image.format == "PNG"
+        image.verify()
+    with Image.open(path) as image:
+        return image.size
+
+
+def test_heatmaps_and_g_history_are_valid_pngs(trained, baseline, toy_bin, toy_raw, tmp_path, capsys):
+    _, save = trained
+    qknorm = save / "checkpoint_last.pt"
+    sentence = min((toy_raw / "test.src").read_text().splitlines(), key=len)  # few labels to draw
+    result = inspect_json(capsys, baseline, qknorm, "--sentence", sentence, "--spm", toy_bin / "spm.model",
+                          "--png-dir", tmp_path / "png")["heatmaps"]
+    assert result["target_from"].startswith("greedy") and result["target"]
+    assert [f["module"] for f in result["files"]] == ["encoder self", "decoder self", "decoder cross"]
+    tokens = result["tokens"][0]
+    n_src, n_tgt, layers = len(tokens["source"]), len(tokens["target"]), 2
+    queries = {"encoder self": n_src, "decoder self": n_tgt, "decoder cross": n_tgt}
+    keys = {"encoder self": n_src, "decoder self": n_tgt, "decoder cross": n_src}
+    for f in result["files"]:
+        expected = (round(2 * plots.panel_inches(keys[f["module"]]) * plots.DPI),
+                    round(layers * plots.panel_inches(queries[f["module"]]) * plots.DPI))
+        assert _png_size(f["path"]) == expected == (f["width"], f["height"])
+    assert not list((tmp_path / "png").glob("*.tmp"))
+
+    history = inspect_json(capsys, "--g-history", save, "--png-dir", tmp_path / "png")["g_history"]
+    w, h = plots.G_HISTORY_INCHES
+    assert _png_size(history["file"]["path"]) == (round(w * plots.DPI), round(h * plots.DPI))
+    last = checkpoint_g(qknorm)
+    assert len(history["g"]) == len(last) == 6
+    assert history["g"]["decoder cross 1"][-1] == last["decoder.layers.1.encoder_attn.qk_scale.g"].item()
+
