@@ -20,6 +20,7 @@ echo "| setting up .venv (torch CPU, $FAIRSEQ_DIST, sentencepiece, sacrebleu) ..
 pip install torch==2.13.0
 # fairseq without its declared dependencies: they name torchaudio, which translation never
 # uses and whose wheel does not load beside torch 2.13. The real needs are in requirements.txt.
+# (pip then reports that ve-fairseq "requires torchaudio, which is not installed": expected.)
 pip install --no-deps "$FAIRSEQ_DIST"
 pip install -r requirements.txt
 pip install --no-deps -e .
