@@ -1,0 +1,76 @@
+"""The models compared. Every arm gets the same dimensions and the same flags (PreNorm, shared
+embeddings, dropout); the arms differ only in what their architecture is about."""
+import argparse
+from dataclasses import dataclass
+
+import torch
+from fairseq.data import Dictionary
+from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
+from fairseq.tasks.translation import TranslationConfig, TranslationTask
+
+import fairseq_qknorm  # noqa: F401  (registers transformer_qknorm and its architectures)
+from fairseq_qknorm.qknorm_attention import g0_for_length
+
+
+@dataclass(frozen=True)
+class Size:
+    dim: int
+    layers: int  # encoder and decoder each
+    heads: int
+    ffn: int
+    vocab: int  # one joined dictionary, as with --share-all-embeddings
+
+
+SIZES = {
+    "glen": Size(dim=512, layers=4, heads=4, ffn=2048, vocab=8000),  # the paper's gl-en model
+    "small": Size(dim=128, layers=2, heads=4, ffn=512, vocab=2000),
+    "tiny": Size(dim=32, layers=1, heads=2, ffn=64, vocab=64),  # --quick (the test)
+}
+
+# arm -> (--arch, the arm's own flags)
+ARMS = {
+    "stock": ("transformer", {}),
+    "qknorm": ("transformer_qknorm", {"qk_norm": "l2", "qk_scale": "learned"}),
+    "qknorm_layernorm": ("transformer_qknorm", {"qk_norm": "layernorm", "qk_scale": "none"}),
+    "qknorm_rmsnorm": ("transformer_qknorm", {"qk_norm": "rmsnorm", "qk_scale": "none"}),
+    # The paper's baseline: ScaleNorm + FixNorm + scaled dot product.
+    "scalenorm_paper": ("transformer_scalenorm_paper", {}),
+}
+# A number, so that no binarized data is needed; the value does not change the speed.
+QK_SCALE_INIT = g0_for_length(60)
+
+
+def dictionary(vocab: int) -> Dictionary:
+    d = Dictionary()
+    for i in range(vocab - len(d)):
+        d.add_symbol(f"w{i}")
+    return d
+
+
+def model_args(arm: str, size: Size) -> argparse.Namespace:
+    arch, own = ARMS[arm]
+    args = argparse.Namespace(
+        arch=arch,
+        encoder_embed_dim=size.dim, decoder_embed_dim=size.dim,
+        encoder_ffn_embed_dim=size.ffn, decoder_ffn_embed_dim=size.ffn,
+        encoder_layers=size.layers, decoder_layers=size.layers,
+        encoder_attention_heads=size.heads, decoder_attention_heads=size.heads,
+        encoder_normalize_before=True, decoder_normalize_before=True, share_all_embeddings=True,
+        dropout=0.1, attention_dropout=0.0, activation_dropout=0.0,
+        **own,
+    )
+    if arch != "transformer":
+        args.qk_scale_init = QK_SCALE_INIT
+        args.word_dropout = 0.0
+    ARCH_CONFIG_REGISTRY[arch](args)
+    return args
+
+
+def build_model(arm: str, size: Size, seed: int):
+    """The same seed gives every arm the same weights wherever the parameters are the same: the
+    QK-norm modules draw no random numbers, so stock and qknorm start from identical weights."""
+    d = dictionary(size.vocab)
+    task = TranslationTask(TranslationConfig(), d, d)
+    args = model_args(arm, size)
+    torch.manual_seed(seed)
+    return ARCH_MODEL_REGISTRY[args.arch].build_model(args, task), task

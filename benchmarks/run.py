@@ -1,0 +1,293 @@
+"""Benchmark transformer_qknorm against fairseq's transformer: training, generation, the attention
+layer alone and peak memory, each model arm in its own process, arms interleaved round by round.
+
+    python -m benchmarks.run                      # CPU, both sizes (~15 min on 2 cores)
+    python -m benchmarks.run --device cuda        # GPU, fp16 and bf16
+    python -m benchmarks.run --quick              # tiny sizes, one round: checks that it runs
+    python -m benchmarks.run --render FILE.json   # the Markdown tables of earlier results
+
+Writes benchmarks/results/<device>-<date>.json and the tables into BENCHMARKS.md (between markers).
+"""
+import argparse
+import datetime
+import json
+import multiprocessing
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import report
+from .lengths import read_pair_lengths
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_ARMS = ("stock", "qknorm", "qknorm_layernorm", "qknorm_rmsnorm", "scalenorm_paper")
+BENCHMARKS = ("train", "generate", "attention")
+TED = "/work/shared/data/ted-gl-en/train.gl,/work/shared/data/ted-gl-en/train.en"
+
+FULL = dict(sizes=("glen", "small"), repeats=5, train_sentences=64, max_tokens=1024, gen_sentences=64,
+            beam=5, max_len=256, attention_lengths=(16, 64, 256), attention_tokens=2048,
+            attention_cache=64, attention_seconds=0.25)
+QUICK = dict(sizes=("tiny",), repeats=1, train_sentences=12, max_tokens=64, gen_sentences=4,
+             beam=5, max_len=8, attention_lengths=(4, 8), attention_tokens=16,
+             attention_cache=4, attention_seconds=0.0)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny model, one round (what the test runs)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dtype", nargs="+", choices=("fp32", "fp16", "bf16"),
+                   help="precisions to run, one after the other (default: fp32 on cpu, fp16 bf16 on cuda)")
+    p.add_argument("--sizes", nargs="+", choices=("glen", "small"), help="model sizes (default: both)")
+    p.add_argument("--benchmarks", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
+    p.add_argument("--arms", nargs="+", choices=MODEL_ARMS, default=list(MODEL_ARMS),
+                   help="model arms for train and generate (stock is always run: the ratios need it)")
+    p.add_argument("--repeats", type=int, help="interleaved rounds (default 5; 1 with --quick)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads in every worker (default 2)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--lengths-from", default=TED, metavar="SRC,TGT",
+                   help="parallel text whose sentence lengths the batches copy (default: TED gl-en train)")
+    p.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--markdown", metavar="FILE",
+                   help="file whose results section is rewritten (default: BENCHMARKS.md, none with --quick)")
+    p.add_argument("--render", metavar="JSON", help="only print (and write to --markdown) the tables of a results file")
+    args = p.parse_args(argv)
+    if args.repeats is not None and args.repeats < 1:
+        p.error("--repeats: expected a positive number")
+    if args.threads < 1:
+        p.error("--threads: expected a positive number")
+    if args.device == "cpu" and args.dtype and args.dtype != ["fp32"]:
+        p.error("--dtype fp16/bf16: only with --device cuda")
+    if len(args.lengths_from.split(",")) != 2:
+        p.error(f"--lengths-from: expected SRC,TGT (two files), got {args.lengths_from!r}")
+    if "stock" not in args.arms:
+        args.arms.insert(0, "stock")
+    return args
+
+
+def settings_for(args):
+    s = dict(QUICK if args.quick else FULL)
+    if args.sizes and not args.quick:
+        s["sizes"] = tuple(args.sizes)
+    if args.repeats:
+        s["repeats"] = args.repeats
+    s["dtypes"] = tuple(args.dtype or (["fp16", "bf16"] if args.device == "cuda" else ["fp32"]))
+    return s
+
+
+_START = time.monotonic()
+
+
+def log(msg):
+    print(f"| {time.monotonic() - _START:6.1f}s {msg}", file=sys.stderr, flush=True)
+
+
+class Worker:
+    """A forked (cpu) or spawned (cuda: no CUDA state may cross a fork) benchmark process."""
+
+    def __init__(self, ctx, job, label):
+        from .worker import serve
+
+        self.label = label
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=serve, args=(child, job), daemon=True)
+        self.proc.start()
+        child.close()
+        self.info = self._receive()["info"]
+
+    def _receive(self):
+        try:
+            msg = self.conn.recv()
+        except EOFError:
+            self.proc.join()
+            raise RuntimeError(f"{self.label}: the worker died (exit code {self.proc.exitcode})") from None
+        if "error" in msg:
+            raise RuntimeError(f"{self.label}: the worker failed:\n{msg['error']}")
+        return msg
+
+    def measure(self, unit):
+        self.conn.send(("measure", unit))
+        return self._receive()
+
+    def close(self):
+        self.conn.send(("stop", None))
+        stats = self._receive()
+        self.proc.join()
+        return stats
+
+
+def run_group(ctx, benchmark, size, dtype, arms, job_base, repeats):
+    label = f"{benchmark} {size} {dtype}"
+    job = dict(job_base, benchmark=benchmark, size=size, dtype=dtype)
+    names = ["all"] if benchmark == "attention" else arms
+    workers = {}
+    try:
+        for name in names:  # one after the other, so that no build or warm-up overlaps another
+            log(f"{label}: starting {name}")
+            workers[name] = Worker(ctx, dict(job, arm=name), f"{label} {name}")
+        units = {w.info["units"] for w in workers.values()}
+        if len(units) != 1:
+            raise RuntimeError(f"{label}: the arms got different numbers of batches: {units}")
+        (n_units,) = units
+        rounds = {name: [] for name in names}
+        for r in range(repeats):
+            parts = {name: [] for name in names}
+            for unit in range(n_units):
+                for name, w in workers.items():  # A B C ... A B C ..., batch by batch
+                    parts[name].append(w.measure(unit))
+            for name in names:
+                rounds[name].append(parts[name] if benchmark == "attention" else round_metrics(benchmark, parts[name]))
+            log(f"{label}: round {r + 1}/{repeats} " + " ".join(
+                f"{n}={_headline(benchmark, m[-1])}" for n, m in rounds.items()))
+        stats = {name: w.close() for name, w in workers.items()}
+    finally:
+        for w in workers.values():
+            if w.proc.is_alive():
+                w.proc.kill()
+    group = {"benchmark": benchmark, "size": size, "dtype": dtype}
+    if benchmark == "attention":
+        measured = [parts[0] for parts in rounds["all"]]
+        group["info"] = workers["all"].info
+        group["cases"] = {case: {arm: [m[case][arm] for m in measured] for arm in measured[0][case]}
+                          for case in measured[0]}
+        return group
+    group["arms"] = {
+        name: dict(stats[name], info=workers[name].info,
+                   metrics={k: [m[k] for m in rounds[name]] for k in rounds[name][0]})
+        for name in names
+    }
+    if benchmark == "generate":  # the forced lengths make every arm do the same work: check it
+        tokens = {n: a["metrics"]["output_tokens"] for n, a in group["arms"].items()}
+        if len({tuple(t) for t in tokens.values()}) != 1:
+            raise RuntimeError(f"{label}: the arms generated different numbers of tokens: {tokens}")
+    return group
+
+
+def round_metrics(benchmark, parts):
+    """One arm's speeds over one round, from the sums over its units."""
+    total = {k: sum(p[k] for p in parts) for k in parts[0]}
+    if benchmark == "train":
+        return {"wps": total["target_tokens"] / total["seconds"],
+                "wps_cpu": total["target_tokens"] / total["cpu_seconds"]}
+    return {"sentences_per_s": total["sentences"] / total["seconds"],
+            "tokens_per_s": total["output_tokens"] / total["seconds"],
+            "sentences_per_cpu_s": total["sentences"] / total["cpu_seconds"],
+            "output_tokens": total["output_tokens"]}
+
+
+def _headline(benchmark, m):
+    if benchmark == "train":
+        return f"{m['wps']:.0f}wps"
+    if benchmark == "generate":
+        return f"{m['sentences_per_s']:.2f}sent/s"
+    return "done"
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit():
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    return commit + ("+modified" if git("status", "--porcelain", "fairseq_qknorm") else "")
+
+
+def write_atomic(path: Path, text: str):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def update_markdown(path: Path, device: str, table: str):
+    """Replace this device's section between its markers; add the section if it is missing."""
+    begin, end = f"<!-- BEGIN {device} results (written by benchmarks/run.py) -->", f"<!-- END {device} results -->"
+    text = path.read_text() if path.exists() else ""
+    section = f"{begin}\n{table}{end}"
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + section + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + ("\n\n" if text else "") + section + "\n"
+    write_atomic(path, text)
+
+
+def render_to(result, markdown):
+    table = report.render(result)
+    print(table)
+    if markdown:
+        update_markdown(Path(markdown), result["meta"]["device"], table)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    markdown = args.markdown if args.markdown is not None else (None if args.quick else str(ROOT / "BENCHMARKS.md"))
+    if args.render:
+        try:
+            result = json.loads(Path(args.render).read_text())
+        except (OSError, ValueError) as e:
+            sys.exit(f"error: --render {args.render}: cannot read a results file ({e})")
+        render_to(result, markdown)
+        return
+    s = settings_for(args)
+    src, tgt = args.lengths_from.split(",")
+    try:
+        read_pair_lengths(src, tgt)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    # Imported here, once, before the workers fork: they start without importing fairseq again.
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():  # the workers are spawned: no fork issue
+        sys.exit("error: --device cuda: torch sees no CUDA device")
+    import fairseq
+    import torch._dynamo  # noqa: F401  (torch.optim imports it on first use: seconds, once here)
+
+    from . import arms, attention_bench, data, models_bench  # noqa: F401
+
+    date = datetime.datetime.now()
+    out = Path(args.results_dir) / f"{args.device}{'-quick' if args.quick else ''}-{date:%Y-%m-%d}.json"
+    meta = {
+        "date": date.isoformat(timespec="seconds"), "device": args.device,
+        "device_name": f"{cpu_model()}, {os.cpu_count()} cores" if args.device == "cpu" else "cuda",
+        "torch": torch.__version__, "fairseq": fairseq.__version__, "python": platform.python_version(),
+        "threads": args.threads, "commit": git_commit(), "load_start": os.getloadavg(),
+        "command": "python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "results_file": os.path.relpath(out, ROOT),
+    }
+    job_base = dict(device=args.device, threads=args.threads, seed=args.seed, lengths_from=(src, tgt),
+                    **{k: v for k, v in s.items() if k not in ("sizes", "dtypes", "repeats")})
+    ctx = multiprocessing.get_context("spawn" if args.device == "cuda" else "fork")
+    groups = []
+    try:
+        for dtype in s["dtypes"]:
+            for size in s["sizes"]:
+                for benchmark in args.benchmarks:
+                    groups.append(run_group(ctx, benchmark, size, dtype, args.arms, job_base, s["repeats"]))
+    except RuntimeError as e:
+        sys.exit(f"error: {e}")
+    meta["load_end"] = os.getloadavg()
+    if args.device == "cuda":
+        first = groups[0]["info"] if "info" in groups[0] else next(iter(groups[0]["arms"].values()))["info"]
+        meta["device_name"] = first["device_name"]
+    result = {"meta": meta, "settings": dict(s, lengths_from=args.lengths_from), "groups": groups}
+    write_atomic(out, json.dumps(result, indent=1) + "\n")
+    log(f"wrote {out}")
+    render_to(result, markdown)
+
+
+if __name__ == "__main__":
+    main()

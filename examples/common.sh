@@ -1,0 +1,353 @@
+# Shared pieces of the recipes (sourced, not run): settings, the step runner, data, subwords,
+# training, generation and scoring. The recipes (ted/run.sh, ted/ablation.sh, quickstart.sh) only
+# choose a pair, a preset and the arms to train.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${VENV:-$ROOT/.venv}
+export PATH="$VENV/bin:$PATH"
+export PYTHONUNBUFFERED=1
+CACHE_DIR=${CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/fairseq-qknorm}
+
+log() { echo "| $(date -u +%H:%M:%S) $*" >&2; }
+die() { echo "error: $*" >&2; exit 1; }
+
+# ---------------------------------------------------------------------------------------------
+# Pairs: languages, the paper's per-pair architecture and validation interval (in updates).
+# ---------------------------------------------------------------------------------------------
+set_pair() {
+    PAIR=$1
+    ARCH_SUFFIX=""
+    case $PAIR in
+        gl-en) SRC=gl TGT=en VALID_UPDATES=100 ARCH_SUFFIX=_glen ;;
+        sk-en) SRC=sk TGT=en VALID_UPDATES=600 ;;
+        ar-en) SRC=ar TGT=en VALID_UPDATES=2000 ;;
+        en-he) SRC=en TGT=he VALID_UPDATES=2000 ;;
+        en-vi) SRC=en TGT=vi VALID_UPDATES=1500 ;;
+        toy) SRC=src TGT=tgt VALID_UPDATES=100 ;;
+        *) die "unknown pair '$PAIR' (expected one of: gl-en sk-en ar-en en-he en-vi toy)" ;;
+    esac
+    BASELINE_ARCH=transformer_scalenorm_paper$ARCH_SUFFIX
+    QKNORM_ARCH=transformer_qknorm_paper$ARCH_SUFFIX
+}
+
+# ---------------------------------------------------------------------------------------------
+# Presets: only sizes and budgets differ, never the pipeline. Every value can be overridden by
+# the environment variable of the same name (e.g. STOP_HOURS=2 PRESET=cpu ...).
+#   MODEL_FLAGS  size flags added after --arch (empty: the paper's size)
+#   MAX_TOKENS   tokens per batch;  WARMUP  linear warm-up updates (scaled with the budget)
+#   MAX_UPDATE   updates per arm (0: none), the same for both arms so they are comparable;
+#   STOP_HOURS   wall-clock cap per arm (empty: none), a safety net: an arm it stops is cut short
+#   VALID_EPOCHS validate every N epochs (the plateau scheduler only steps at epoch ends)
+#   BPE_SIZE     joint sentencepiece vocabulary;  LR  peak learning rate (the paper's 3e-4, except
+#                where the budget is minutes: a higher peak after a shorter warm-up)
+# ---------------------------------------------------------------------------------------------
+set_preset() {
+    PRESET=$1
+    local model warmup lr=3e-4 max_update stop_hours valid_epochs bpe max_tokens=4096 valid_updates=$VALID_UPDATES
+    case $PRESET in
+        paper)  # the paper's sizes (the arch defaults), for a GPU; trains until the rate hits STOP_MIN_LR
+            model="" warmup=8000 max_update=0 stop_hours="" valid_epochs=1 bpe=8000 ;;
+        cpu)    # ~45 min per arm on 2 CPU cores (gl-en): the paper's layers and heads at a quarter of
+                # the width (a wider model gets too few updates in the budget); a short budget needs a
+                # short warm-up and a higher peak rate (see examples/README.md)
+            model="--encoder-embed-dim 128 --decoder-embed-dim 128 --encoder-ffn-embed-dim 512 --decoder-ffn-embed-dim 512"
+            warmup=400 lr=1e-3 max_update=2000 stop_hours=0.75 valid_epochs=2 bpe=8000 valid_updates=0 ;;
+        toy)    # the quickstart: the generated corpus, a few minutes per arm on 2 cores
+            model="--encoder-layers 2 --decoder-layers 2 --encoder-embed-dim 128 --decoder-embed-dim 128 --encoder-ffn-embed-dim 256 --decoder-ffn-embed-dim 256 --encoder-attention-heads 4 --decoder-attention-heads 4 --dropout 0.1"
+            warmup=100 lr=1e-3 max_update=300 stop_hours="" valid_epochs=10 bpe=500 valid_updates=0 ;;
+        smoke)  # seconds: checks the plumbing (CI), not the model
+            model="--encoder-layers 1 --decoder-layers 1 --encoder-embed-dim 32 --decoder-embed-dim 32 --encoder-ffn-embed-dim 64 --decoder-ffn-embed-dim 64 --encoder-attention-heads 2 --decoder-attention-heads 2"
+            warmup=10 lr=1e-3 max_update=30 stop_hours="" valid_epochs=1 bpe=200 max_tokens=1024 valid_updates=0 ;;
+        *) die "unknown PRESET '$PRESET' (expected one of: paper cpu toy smoke)" ;;
+    esac
+    MODEL_FLAGS=${MODEL_FLAGS-$model}
+    WARMUP=${WARMUP:-$warmup}
+    MAX_UPDATE=${MAX_UPDATE:-$max_update}
+    STOP_HOURS=${STOP_HOURS-$stop_hours}
+    VALID_EPOCHS=${VALID_EPOCHS:-$valid_epochs}
+    VALID_UPDATES=${VALID_UPDATE_INTERVAL:-$valid_updates}
+    BPE_SIZE=${BPE_SIZE:-$bpe}
+    MAX_TOKENS=${MAX_TOKENS:-$max_tokens}
+    LR=${LR:-$lr}
+    # The paper's optimisation (Transformers without Tears' setup), the same for every preset.
+    STOP_MIN_LR=${STOP_MIN_LR:-5e-5}
+    SEEDS=${SEEDS:-${SEED:-1}}
+    # Decoding as in the paper: beam 4, length penalty 0.6, at most source length + 50 tokens.
+    BEAM=4 LENPEN=0.6 MAX_LEN_B=50
+}
+
+setup_work() {
+    WORK=${WORK:-$ROOT/work/$PAIR-$PRESET}
+    mkdir -p "$WORK/stamps"
+    WORK=$(cd "$WORK" && pwd)
+    USER_DIR=$(fairseq-qknorm-user-dir)
+    if [ -z "${DEVICE_FLAGS+x}" ]; then
+        if python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+            DEVICE_FLAGS=""
+        else
+            DEVICE_FLAGS="--cpu"
+        fi
+    fi
+    log "pair $PAIR ($SRC->$TGT), preset $PRESET, work dir $WORK"
+}
+
+# ---------------------------------------------------------------------------------------------
+# Steps. `step NAME AFTER FUNCTION ARGS...` runs FUNCTION ARGS unless WORK/stamps/NAME holds the
+# same signature: the command, the settings it depends on, and the signature of step AFTER (the
+# step whose output it reads; "-" for none), so redoing a step redoes what was built from it.
+# Functions write to temporary names and rename when complete: a step killed half-way leaves no
+# stamp and is redone, never trusted.
+# ---------------------------------------------------------------------------------------------
+declare -A SIGNATURES
+step() {
+    local name=$1 after=$2; shift 2
+    local stamp="$WORK/stamps/$name" settings="BPE_SIZE=$BPE_SIZE"
+    [ "$1" = train_arm ] && settings+=" $MODEL_FLAGS $MAX_TOKENS $WARMUP $MAX_UPDATE $STOP_HOURS $VALID_EPOCHS $VALID_UPDATES $LR $STOP_MIN_LR ${EXTRA_TRAIN_FLAGS:-}"
+    local signature
+    signature=$(printf '%s\n' "${SIGNATURES[$after]:-}" "$*" "$settings" | sha1sum | cut -c1-16)
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$signature" ]; then
+        log "$name: done before, skipped (delete $stamp to redo)"
+    else
+        rm -f "$stamp"
+        log "$name: running"
+        "$@"
+        echo "$signature" > "$stamp.tmp" && mv "$stamp.tmp" "$stamp"
+    fi
+    SIGNATURES[$name]=$signature
+}
+
+# Run a command and append it, shell-quoted, to WORK/commands.sh (the results list it).
+run_logged() {
+    printf '%q ' "$@" >> "$WORK/commands.sh"
+    echo >> "$WORK/commands.sh"
+    "$@"
+}
+
+# ---------------------------------------------------------------------------------------------
+# Data: WORK/raw/{train,dev,test}.{SRC,TGT}. DATA_DIR (plain text named by language code) wins;
+# otherwise TED pairs come from TED_ARCHIVE (a local ted_talks.tar.gz) or a cached download,
+# en-vi from the Stanford release, toy from fairseq-qknorm-toy-corpus.
+# ---------------------------------------------------------------------------------------------
+TED_URL=${TED_URL:-http://phontron.com/data/ted_talks.tar.gz}
+TED_SIZE=352222045  # bytes of ted_talks.tar.gz as served by phontron.com (no checksum is published)
+IWSLT_URL=${IWSLT_URL:-https://nlp.stanford.edu/projects/nmt/data/iwslt15.en-vi}
+# sha1 of the Stanford files, as recorded by the gluon-nlp dataset registry.
+declare -A IWSLT_SHA1=(
+    [train.en]=675d16d057f2b6268fb294124b1646d311477325 [train.vi]=bb6e21d4b02b286f2a570374b0bf22fb070589fd
+    [tst2012.en]=e381f782d637b8db827d7b4d8bb3494822ec935e [tst2012.vi]=4511988ce67591dc8bcdbb999314715f21e5a1e1
+    [tst2013.en]=d320db4c8127a85de81802f239a6e6b1af473c3d [tst2013.vi]=af212c48a68465ceada9263a049f2331f8af6290
+)
+
+# fetch URL DEST CHECK: download once into the cache, resuming a broken download (DEST.part), and
+# verify with CHECK (a function taking the file) before the file gets its final name.
+fetch() {
+    local url=$1 dest=$2 check=$3
+    if [ -f "$dest" ]; then
+        "$check" "$dest" || die "$dest: cached file fails its check; delete it to download again"
+        return
+    fi
+    mkdir -p "$(dirname "$dest")"
+    log "downloading $url -> $dest (resumable: rerun to continue)"
+    curl -fL --retry 3 -C - -o "$dest.part" "$url" || die "download of $url failed; rerun to resume, or see examples/README.md (offline)"
+    if ! "$check" "$dest.part"; then
+        rm -f "$dest.part"
+        die "$url: the downloaded file fails its check (deleted); see examples/README.md to use a local copy"
+    fi
+    mv "$dest.part" "$dest"
+}
+
+check_ted_archive() {
+    local file=$1 size want got
+    size=$(stat -c %s "$file")
+    [ "$size" = "$TED_SIZE" ] || { echo "error: $file: $size bytes, expected $TED_SIZE (ted_talks.tar.gz)" >&2; return 1; }
+    got=$(sha256sum "$file" | cut -d' ' -f1)
+    # No checksum is published for this archive: TED_SHA256 pins one if you have it; otherwise the
+    # first verified download records its own (trust on first use) and later runs compare to it.
+    want=${TED_SHA256:-$(cat "$CACHE_DIR/ted_talks.tar.gz.sha256" 2>/dev/null || true)}
+    if [ -n "$want" ] && [ "$got" != "$want" ]; then
+        echo "error: $file: sha256 $got, expected $want" >&2
+        return 1
+    fi
+    [ -n "$want" ] || { echo "$got" > "$CACHE_DIR/ted_talks.tar.gz.sha256"; log "recorded sha256 $got of ted_talks.tar.gz"; }
+}
+
+check_iwslt_file() {
+    local file=$1 name
+    name=$(basename "${file%.part}")
+    [ "$(sha1sum "$file" | cut -d' ' -f1)" = "${IWSLT_SHA1[$name]}" ] || { echo "error: $file: sha1 differs from the Stanford release's" >&2; return 1; }
+}
+
+check_plain_text_dir() {
+    local dir=$1 split n_src n_tgt
+    for split in train dev test; do
+        for lang in "$SRC" "$TGT"; do
+            [ -s "$dir/$split.$lang" ] || die "DATA_DIR=$dir: missing or empty $split.$lang (expected {train,dev,test}.{$SRC,$TGT})"
+        done
+        n_src=$(wc -l < "$dir/$split.$SRC"); n_tgt=$(wc -l < "$dir/$split.$TGT")
+        [ "$n_src" = "$n_tgt" ] || die "DATA_DIR=$dir: $split.$SRC has $n_src lines, $split.$TGT has $n_tgt"
+    done
+}
+
+get_raw_data() {
+    local out=$WORK/raw tmp=$WORK/raw.tmp split lang
+    rm -rf "$tmp"; mkdir -p "$tmp"
+    if [ -n "${DATA_DIR:-}" ]; then
+        check_plain_text_dir "$DATA_DIR"
+        for split in train dev test; do
+            for lang in "$SRC" "$TGT"; do cp "$DATA_DIR/$split.$lang" "$tmp/"; done
+        done
+    elif [ "$PAIR" = toy ]; then
+        run_logged fairseq-qknorm-toy-corpus "$tmp" --train "${TOY_TRAIN:-4000}" --dev "${TOY_DEV:-300}" --test "${TOY_TEST:-300}" >&2
+    elif [ "$PAIR" = en-vi ]; then
+        local name stanford_split
+        declare -A split_of=([tst2012]=dev [tst2013]=test [train]=train)
+        for stanford_split in train tst2012 tst2013; do
+            for lang in en vi; do
+                name=$stanford_split.$lang
+                fetch "$IWSLT_URL/$name" "$CACHE_DIR/iwslt15-en-vi/$name" check_iwslt_file
+                cp "$CACHE_DIR/iwslt15-en-vi/$name" "$tmp/${split_of[$stanford_split]}.$lang"
+            done
+        done
+    else
+        local archive=${TED_ARCHIVE:-$CACHE_DIR/ted_talks.tar.gz}
+        if [ -n "${TED_ARCHIVE:-}" ]; then
+            [ -f "$TED_ARCHIVE" ] || die "TED_ARCHIVE=$TED_ARCHIVE: no such file"
+        else
+            fetch "$TED_URL" "$archive" check_ted_archive
+        fi
+        run_logged python -m fairseq_qknorm_cli.ted "$archive" --src "$SRC" --tgt "$TGT" --out "$tmp" >&2
+    fi
+    rm -rf "$out"; mv "$tmp" "$out"
+    for split in train dev test; do log "$split: $(wc -l < "$out/$split.$SRC") sentence pairs"; done
+}
+
+# ---------------------------------------------------------------------------------------------
+# Subwords: one joint sentencepiece BPE model; encode; binarize with a joined dictionary.
+# ---------------------------------------------------------------------------------------------
+train_spm() {
+    run_logged fairseq-qknorm-spm-train --input "$WORK/raw/train.$SRC,$WORK/raw/train.$TGT" \
+        --model_prefix "$WORK/spm" --vocab_size "$BPE_SIZE" --model_type bpe
+}
+
+encode_spm() {
+    local tmp=$WORK/sp.tmp split lang
+    rm -rf "$tmp"; mkdir -p "$tmp"
+    for split in train dev test; do
+        for lang in "$SRC" "$TGT"; do
+            run_logged fairseq-qknorm-spm-encode --model "$WORK/spm.model" "$WORK/raw/$split.$lang" > "$tmp/$split.$lang"
+        done
+    done
+    rm -rf "$WORK/sp"; mv "$tmp" "$WORK/sp"
+}
+
+binarize() {
+    rm -rf "$WORK/bin.tmp"
+    run_logged fairseq-preprocess --source-lang "$SRC" --target-lang "$TGT" \
+        --trainpref "$WORK/sp/train" --validpref "$WORK/sp/dev" --testpref "$WORK/sp/test" \
+        --joined-dictionary --destdir "$WORK/bin.tmp" --workers 2 > "$WORK/preprocess.log" 2>&1 \
+        || { tail -5 "$WORK/preprocess.log" >&2; die "fairseq-preprocess failed (log: $WORK/preprocess.log)"; }
+    rm -rf "$WORK/bin"; mv "$WORK/bin.tmp" "$WORK/bin"
+}
+
+prepare() {
+    step data - get_raw_data
+    step spm data train_spm
+    step encode spm encode_spm
+    step binarize encode binarize
+}
+
+# ---------------------------------------------------------------------------------------------
+# Training: train_arm DIR ARCH [EXTRA FLAGS...]. Checkpoints go to DIR/checkpoints.tmp and are
+# renamed when training has finished; the wall time goes to DIR/train_seconds.
+# ---------------------------------------------------------------------------------------------
+train_arm() {
+    local dir=$1 arch=$2; shift 2
+    local seed=${dir##*seed}
+    local validation=(--validate-interval "$VALID_EPOCHS")
+    [ "$VALID_UPDATES" -gt 0 ] && validation+=(--validate-interval-updates "$VALID_UPDATES")
+    local budget=()
+    [ "$MAX_UPDATE" -gt 0 ] && budget+=(--max-update "$MAX_UPDATE")
+    [ -n "$STOP_HOURS" ] && budget+=(--stop-time-hours "$STOP_HOURS")
+    mkdir -p "$dir"
+    rm -rf "$dir/checkpoints.tmp" "$dir/checkpoints"
+    local start=$SECONDS
+    # shellcheck disable=SC2086  # MODEL_FLAGS / DEVICE_FLAGS / EXTRA_TRAIN_FLAGS are flag lists
+    run_logged fairseq-train "$WORK/bin" --user-dir "$USER_DIR" --arch "$arch" $MODEL_FLAGS "$@" \
+        --source-lang "$SRC" --target-lang "$TGT" \
+        --optimizer adam --clip-norm 1.0 --lr "$LR" \
+        --lr-scheduler reduce_lr_on_plateau --lr-shrink 0.8 --lr-patience 3 \
+        --warmup-updates "$WARMUP" --warmup-init-lr "$(python -c "print($STOP_MIN_LR * 1.01)")" --stop-min-lr "$STOP_MIN_LR" \
+        --criterion label_smoothed_cross_entropy --label-smoothing 0.1 \
+        --max-tokens "$MAX_TOKENS" --required-batch-size-multiple 1 \
+        --eval-bleu --eval-bleu-args "{\"beam\": $BEAM, \"lenpen\": $LENPEN, \"max_len_a\": 1, \"max_len_b\": $MAX_LEN_B}" --eval-bleu-remove-bpe sentencepiece \
+        --best-checkpoint-metric bleu --maximize-best-checkpoint-metric \
+        "${validation[@]}" "${budget[@]}" \
+        --save-dir "$dir/checkpoints.tmp" --no-epoch-checkpoints --seed "$seed" \
+        --log-format simple --log-interval "${LOG_INTERVAL:-20}" --num-workers 0 \
+        $DEVICE_FLAGS ${EXTRA_TRAIN_FLAGS:-} > "$dir/train.log" 2>&1 \
+        || { tail -20 "$dir/train.log" >&2; die "fairseq-train failed (log: $dir/train.log)"; }
+    [ -f "$dir/checkpoints.tmp/checkpoint_best.pt" ] || die "no checkpoint_best.pt after training (log: $dir/train.log)"
+    echo $((SECONDS - start)) > "$dir/train_seconds"
+    mv "$dir/checkpoints.tmp" "$dir/checkpoints"
+    if [ -f "$ROOT/fairseq_qknorm_cli/inspect.py" ] && grep -q -- "--qk-norm\|qknorm_paper" <<< "$arch $*"; then
+        # The learned g per attention module; informative only: a failure here must not stop the run.
+        if fairseq-qknorm-inspect "$dir/checkpoints/checkpoint_best.pt" > "$dir/inspect.txt" 2> "$dir/inspect.log"; then
+            cat "$dir/inspect.txt" >&2
+        else
+            rm -f "$dir/inspect.txt"
+            log "warning: fairseq-qknorm-inspect failed (see $dir/inspect.log); continuing"
+        fi
+    fi
+}
+
+# Translate the test set with the best checkpoint (beam 4), undo sentencepiece: DIR/test.hyp.
+generate_arm() {
+    local dir=$1 n_hyp n_src
+    run_logged fairseq-generate "$WORK/bin" --user-dir "$USER_DIR" --path "$dir/checkpoints/checkpoint_best.pt" \
+        --source-lang "$SRC" --target-lang "$TGT" --gen-subset test \
+        --beam "$BEAM" --lenpen "$LENPEN" --max-len-a 1 --max-len-b "$MAX_LEN_B" --batch-size 64 --required-batch-size-multiple 1 \
+        $DEVICE_FLAGS > "$dir/generate.out" 2> "$dir/generate.log" \
+        || { tail -20 "$dir/generate.log" >&2; die "fairseq-generate failed (log: $dir/generate.log)"; }
+    grep '^H-' "$dir/generate.out" | sed 's/^H-//' | sort -n -k1,1 | cut -f3 > "$dir/test.sp.hyp"
+    n_hyp=$(wc -l < "$dir/test.sp.hyp"); n_src=$(wc -l < "$WORK/raw/test.$SRC")
+    [ "$n_hyp" = "$n_src" ] || die "$dir: fairseq-generate wrote $n_hyp hypotheses for $n_src test sentences"
+    run_logged fairseq-qknorm-spm-decode --model "$WORK/spm.model" "$dir/test.sp.hyp" > "$dir/test.hyp.tmp"
+    mv "$dir/test.hyp.tmp" "$dir/test.hyp"
+}
+
+# run_arms RUN NAME:ARCH[:EXTRA FLAGS] ...: train and translate every arm for every seed in SEEDS
+# (WORK/arms/NAME-seedS: an arm is trained once and shared by every run that names it), score
+# them (the first is the reference of the significance tests), write WORK/RUN/results.{md,json}.
+run_arms() {
+    local run=$1; shift
+    local spec name arch flags seed dir systems scored_after
+    for seed in $SEEDS; do
+        systems=() scored_after=""
+        for spec in "$@"; do
+            IFS=: read -r name arch flags <<< "$spec"
+            dir=$WORK/arms/$name-seed$seed
+            # shellcheck disable=SC2086
+            step "$name.seed$seed.train" binarize train_arm "$dir" "$arch" $flags
+            step "$name.seed$seed.generate" "$name.seed$seed.train" generate_arm "$dir"
+            scored_after+=$(sha1sum < "$dir/test.hyp")  # scores are redone when a translation changed
+            systems+=("$dir/test.hyp")
+        done
+        SIGNATURES[$run.seed$seed.hyps]=$scored_after
+        step "$run.seed$seed.score" "$run.seed$seed.hyps" score_systems "$WORK/$run/seed$seed" "${systems[@]}"
+    done
+    python -m fairseq_qknorm_cli.results pair "$WORK" "$run" --pair "$PAIR" --preset "$PRESET" \
+        --seeds $SEEDS --arms "${@%%:*}"
+}
+
+# Two scores per system: sacrebleu's default 13a tokenization on the text as released, and
+# --tokenize none (the paper's tokenized BLEU, the corpora being Moses-tokenized already).
+score_systems() {
+    local out=$1; shift
+    local tok
+    mkdir -p "$out"
+    for tok in 13a none; do
+        run_logged fairseq-qknorm-score --ref "$WORK/raw/test.$TGT" "$@" --json --tokenize "$tok" > "$out/score.$tok.json.tmp"
+        mv "$out/score.$tok.json.tmp" "$out/score.$tok.json"
+    done
+}

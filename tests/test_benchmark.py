@@ -1,0 +1,186 @@
+"""The benchmark's own logic (benchmarks/): it runs end to end on tiny sizes, its plain QK-norm computes
+what QKNormAttention computes, its arms differ only where they should, and its tables and targets
+follow from the numbers. No timing is asserted."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # `benchmarks` is a folder of the repository, not an installed package
+
+from benchmarks import report  # noqa: E402
+from benchmarks.run import update_markdown  # noqa: E402
+
+MODEL_ARMS = ["stock", "qknorm", "qknorm_layernorm", "qknorm_rmsnorm", "scalenorm_paper"]
+ATTENTION_ARMS = ["stock", "qknorm", "qknorm_plain", "qknorm_layernorm", "qknorm_rmsnorm"]
+
+
+def bench(*args):
+    return subprocess.run([sys.executable, "-m", "benchmarks.run", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lengths")
+    (d / "c.src").write_text("".join("w " * (1 + i % 9) + "\n" for i in range(40)))
+    (d / "c.tgt").write_text("".join("w " * (2 + i % 7) + "\n" for i in range(40)))
+    return f"{d / 'c.src'},{d / 'c.tgt'}"
+
+
+@pytest.fixture(scope="module")
+def quick(corpus, tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench")
+    md = d / "BENCHMARKS.md"
+    md.write_text("# Benchmarks\n\nHand-written text that the script must keep.\n")
+    proc = bench("--quick", "--threads", "1", "--lengths-from", corpus, "--results-dir", d / "results",
+                 "--markdown", md)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (results,) = (d / "results").glob("cpu-quick-*.json")
+    return json.loads(results.read_text()), results, md
+
+
+def test_quick_run_measures_every_arm(quick):
+    result, _, _ = quick
+    groups = {g["benchmark"]: g for g in result["groups"]}
+    assert set(groups) == {"train", "generate", "attention"}
+    for name in ("train", "generate"):
+        arms = groups[name]["arms"]
+        assert list(arms) == MODEL_ARMS
+        for arm in arms.values():
+            values = next(iter(arm["metrics"].values()))
+            assert len(values) == result["settings"]["repeats"] == 1 and values[0] > 0
+            assert arm["peak_rss_mb"] >= arm["start_rss_mb"] > 0
+    train = groups["train"]["arms"]
+    assert {a["info"]["target_tokens"] for a in train.values()} == {train["stock"]["info"]["target_tokens"]}
+    assert all(a["info"]["activations_mb"] > 0 for a in train.values())
+    # Forced lengths: every arm generates every hypothesis to L tokens + </s>.
+    gen = groups["generate"]["arms"]
+    info = gen["stock"]["info"]
+    expected = info["sentences"] * (info["length"] + 1)
+    assert all(a["metrics"]["output_tokens"] == [expected] for a in gen.values())
+    cases = groups["attention"]["cases"]
+    assert len(cases) == 2 * len(result["settings"]["attention_lengths"]) + 2
+    assert all(list(times) == ATTENTION_ARMS for times in cases.values())
+    meta = result["meta"]
+    assert meta["threads"] == 1 and meta["torch"] == torch.__version__ and len(meta["load_end"]) == 3
+
+
+def test_quick_run_writes_the_tables_between_markers(quick, tmp_path):
+    result, results, md = quick
+    text = md.read_text()
+    assert text.startswith("# Benchmarks\n\nHand-written text that the script must keep.\n")
+    assert text.count("<!-- BEGIN cpu results") == 1 and "| tiny fp32 | qknorm |" in text
+    # Rendering the same file again replaces the section instead of adding one.
+    proc = bench("--render", results, "--markdown", md)
+    assert proc.returncode == 0, proc.stderr
+    assert md.read_text() == text
+    assert "| tiny fp32 | scalenorm_paper |" in proc.stdout
+
+
+def test_bad_lengths_file_is_one_clear_error(tmp_path):
+    proc = bench("--quick", "--lengths-from", f"{tmp_path}/missing.src,{tmp_path}/missing.tgt",
+                 "--results-dir", tmp_path / "r")
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == [f"error: --lengths-from: cannot read {tmp_path}/missing.src: "
+                                                "No such file or directory"]
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_cuda_without_a_device_is_one_clear_error(corpus, tmp_path):
+    proc = bench("--device", "cuda", "--lengths-from", corpus, "--results-dir", tmp_path / "r")
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == ["error: --device cuda: torch sees no CUDA device"]
+
+
+def test_plain_attention_computes_what_qknorm_computes():
+    from benchmarks.arms import QK_SCALE_INIT
+    from benchmarks.plain_attention import PlainQKNormAttention
+    from fairseq_qknorm.qknorm_attention import QKNormAttention
+
+    dim, heads, beam = 16, 4, 3
+    for kind in ({"self_attention": True}, {"encoder_decoder_attention": True}):
+        modules = []
+        for cls in (QKNormAttention, PlainQKNormAttention):
+            torch.manual_seed(0)
+            modules.append(cls(dim, heads, qk_norm="l2", qk_scale="learned", qk_scale_init=QK_SCALE_INIT, **kind).eval())
+        fused, plain = modules
+        x, enc = torch.randn(5, 2 * beam, dim), torch.randn(7, 2, dim).repeat_interleave(beam, dim=1)
+        pad = torch.zeros(2 * beam, 7, dtype=torch.bool)
+        pad[:beam, 5:] = True
+        causal = torch.triu(torch.full((5, 5), float("-inf")), 1)
+        if "self_attention" in kind:
+            self_pad = torch.zeros(2 * beam, 5, dtype=torch.bool)
+            self_pad[:beam, 3:] = True
+            calls = [dict(query=x, key=x, value=x, key_padding_mask=self_pad, need_weights=False),
+                     dict(query=x, key=x, value=x, attn_mask=causal, need_weights=False)]
+        else:
+            calls = [dict(query=x, key=enc, value=enc, key_padding_mask=pad, need_weights=False)]
+        for call in calls:
+            torch.testing.assert_close(plain(**call)[0], fused(**call)[0])
+        # Incremental decoding: three steps against the cache (beamable cross attention in QKNorm).
+        states = [{}, {}]
+        fused.set_beam_size(beam)
+        for step in range(3):
+            y = torch.randn(1, 2 * beam, dim)
+            outs = [m(y, enc if "encoder_decoder_attention" in kind else y,
+                      enc if "encoder_decoder_attention" in kind else y,
+                      key_padding_mask=pad if "encoder_decoder_attention" in kind else None,
+                      incremental_state=s, static_kv="encoder_decoder_attention" in kind, need_weights=False)[0]
+                    for m, s in zip((fused, plain), states)]
+            torch.testing.assert_close(outs[1], outs[0])
+
+
+def test_arms_differ_only_in_what_they_are_about():
+    from benchmarks.arms import SIZES, build_model
+    from fairseq.modules import MultiheadAttention
+    from fairseq_qknorm.qknorm_attention import QKNormAttention
+
+    stock = build_model("stock", SIZES["tiny"], seed=3)[0].state_dict()
+    for arm, extra in (("qknorm", {"qk_scale.g"}), ("qknorm_layernorm", {"q_norm.weight", "q_norm.bias",
+                                                                        "k_norm.weight", "k_norm.bias"})):
+        model = build_model(arm, SIZES["tiny"], seed=3)[0]
+        attn = [m for m in model.modules() if isinstance(m, MultiheadAttention)]
+        assert len(attn) == 3 and all(isinstance(m, QKNormAttention) for m in attn)
+        state = model.state_dict()
+        assert {k.split("attn.", 1)[1] for k in set(state) - set(stock)} == extra
+        assert set(stock) <= set(state)
+        for k, v in stock.items():  # the same seed gives the same weights: generation can compare
+            assert torch.equal(state[k], v), k
+
+
+def _fake(wps, peak, plain_ms, fused_ms):
+    arms = {name: {"metrics": {"wps": w, "wps_cpu": w}, "peak_rss_mb": p, "info": {"activations_mb": 1.0}}
+            for name, w, p in zip(("stock", "qknorm"), wps, peak)}
+    return [{"benchmark": "train", "size": "glen", "dtype": "fp32", "arms": arms},
+            {"benchmark": "attention", "size": "glen", "dtype": "fp32",
+             "cases": {"self T=64 fwd+bwd": {"stock": fused_ms, "qknorm": fused_ms, "qknorm_plain": plain_ms},
+                       "self T=16 fwd+bwd": {"stock": fused_ms, "qknorm": plain_ms, "qknorm_plain": fused_ms}}}]
+
+
+def test_targets_use_the_median_of_the_per_pair_ratios():
+    # Rounds drift (a loaded machine): the per-pair ratios are 0.98, 0.98, 0.5 -> median 0.98, while
+    # the ratio of the medians would be 50/100 = 0.5.
+    groups = _fake(wps=([100, 50, 100], [98, 49, 50]), peak=(1000, 1040), plain_ms=[2, 2, 2], fused_ms=[1, 3, 1])
+    checks = {what: (round(value, 3), ok) for what, value, _, ok in report.targets(groups)}
+    assert checks == {
+        "train glen fp32: wps qknorm / stock": (0.98, True),
+        "train glen fp32: peak memory qknorm / stock": (1.04, False),
+        "attention glen fp32 self T=64 fwd+bwd: qknorm_plain / qknorm time": (2.0, True),  # T=16: no target
+    }
+    assert report.pair_ratios([2, 3], [4, 6]) == [0.5, 0.5]
+
+
+def test_update_markdown_replaces_only_its_own_device(tmp_path):
+    md = tmp_path / "B.md"
+    update_markdown(md, "cpu", "cpu table 1\n")
+    update_markdown(md, "cuda", "gpu table\n")
+    update_markdown(md, "cpu", "cpu table 2\n")
+    text = md.read_text()
+    assert "cpu table 2" in text and "cpu table 1" not in text and "gpu table" in text
+    assert text.index("cpu table 2") < text.index("gpu table")
