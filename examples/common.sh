@@ -52,7 +52,7 @@ set_preset() {
                 # the width (a wider model gets too few updates in the budget); a short budget needs a
                 # short warm-up and a higher peak rate (see examples/README.md)
             model="--encoder-embed-dim 128 --decoder-embed-dim 128 --encoder-ffn-embed-dim 512 --decoder-ffn-embed-dim 512"
-            warmup=400 lr=1e-3 max_update=2000 stop_hours=0.75 valid_epochs=2 bpe=8000 valid_updates=0 ;;
+            warmup=400 lr=1e-3 max_update=1400 stop_hours=1.25 valid_epochs=2 bpe=8000 valid_updates=0 ;;
         toy)    # the quickstart: the generated corpus, a few minutes per arm on 2 cores
             model="--encoder-layers 2 --decoder-layers 2 --encoder-embed-dim 128 --decoder-embed-dim 128 --encoder-ffn-embed-dim 256 --decoder-ffn-embed-dim 256 --encoder-attention-heads 4 --decoder-attention-heads 4 --dropout 0.1"
             warmup=100 lr=1e-3 max_update=300 stop_hours="" valid_epochs=10 bpe=500 valid_updates=0 ;;

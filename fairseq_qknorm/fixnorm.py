@@ -1,6 +1,7 @@
 """FixNorm (Nguyen & Chiang, 2018): every word embedding has unit length, on input (then scaled
 by sqrt(d) as usual) and in the tied output projection, whose logits become g * cos(h, e_w)
 with g the final norm's scale."""
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -13,11 +14,10 @@ class UnitNormEmbedding(nn.Embedding):
         # tied output projection does send gradient to it.
         nn.init.uniform_(self.weight, -0.01, 0.01)
 
-    def unit_weight(self):
-        return F.normalize(self.weight, dim=-1)
-
     def forward(self, tokens):
-        return F.embedding(tokens, self.unit_weight(), self.padding_idx)
+        # Normalize the rows looked up, not the whole matrix: the same values and gradients, at
+        # the cost of the batch instead of the vocabulary (at every decoding step).
+        return F.normalize(F.embedding(tokens, self.weight, self.padding_idx), dim=-1)
 
 
 class UnitNormOutputProjection(nn.Module):
@@ -27,6 +27,14 @@ class UnitNormOutputProjection(nn.Module):
     def __init__(self, weight: nn.Parameter):
         super().__init__()
         self.weight = weight
+        self._unit_weight, self._unit_weight_of = None, None
 
     def forward(self, features):
-        return F.linear(features, F.normalize(self.weight, dim=-1))
+        if torch.is_grad_enabled():
+            return F.linear(features, F.normalize(self.weight, dim=-1))
+        # Inference (beam search calls this once per step): normalize the matrix once per version
+        # of the weight; an update or a load_state_dict bumps the version and so refreshes it.
+        version = (self.weight.data_ptr(), self.weight._version)
+        if self._unit_weight_of != version:
+            self._unit_weight, self._unit_weight_of = F.normalize(self.weight, dim=-1), version
+        return F.linear(features, self._unit_weight)

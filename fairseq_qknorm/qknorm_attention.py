@@ -26,6 +26,43 @@ def g0_for_length(length: float) -> float:
     return math.log2(length * length - length)
 
 
+class ScaledUnitNorm(torch.autograd.Function):
+    """y = g * x / ||x|| over the last dim, g a scalar, per-head g or None (= 1).
+
+    Written out because of memory: composed from torch ops, autograd keeps x, x/||x|| and g*x/||x||
+    for backward, three activations per projection where stock attention keeps one. Here only y
+    (which attention keeps anyway: the same tensor) and the per-row 1/||x|| are kept; backward
+    recovers x/||x|| as y / g. Norms and products are taken in float32 (the sum of squares
+    overflows fp16); eps keeps a zero vector at zero, not NaN.
+    """
+
+    EPS = 1e-6
+
+    @staticmethod
+    def forward(ctx, x: Tensor, g: Optional[Tensor]) -> Tensor:
+        acc = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 for float64
+        inv_norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=acc)
+        inv_norm = inv_norm.clamp_min(ScaledUnitNorm.EPS).reciprocal()
+        y = (x.to(acc) * (inv_norm if g is None else inv_norm * g)).to(x.dtype)
+        ctx.save_for_backward(y, inv_norm, g)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor):
+        # dy/dx = (g / ||x||) (I - u u^T), u = x / ||x|| = y / g. In y, with two passes over it:
+        # grad_x = (grad_y - y (y . grad_y) / g^2) * g / ||x||;  grad_g = (y . grad_y) / g.
+        y, inv_norm, g = ctx.saved_tensors
+        dtype = y.dtype
+        y, grad_y = y.to(inv_norm.dtype), grad_y.to(inv_norm.dtype)  # no-ops in float32
+        # g == 0 makes y == 0: then grad_x is 0 whatever the division gives, and grad_g is lost.
+        one = torch.ones((), dtype=y.dtype, device=y.device)
+        g = one if g is None else torch.where(g == 0, one, g)
+        dot = torch.linalg.vecdot(y, grad_y).unsqueeze(-1)
+        grad_x = torch.addcmul(grad_y, y, dot / (g * g), value=-1.0).mul_(inv_norm * g).to(dtype)
+        grad_g = (dot / g).sum_to_size(g.shape) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_g
+
+
 class QKScale(nn.Module):
     """The scalar g (or one per head), kept in float32 whatever dtype the model is cast to:
     near g = 12 the spacing of fp16 is ~0.008 and of bf16 ~0.06, so small updates would vanish."""
@@ -79,13 +116,14 @@ class QKNormAttention(MultiheadAttention):
             self.qk_scale = QKScale(qk_scale_init, num_heads, qk_scale_per_head, qk_scale == "learned")
 
     def _normalize(self, x: Tensor, which: str) -> Tensor:
-        """x: (batch, heads, time, head_dim)."""
+        """x: (batch, heads, time, head_dim). g, when there is one, goes into the queries: SDPA's
+        scale is a Python float, g a tensor."""
+        scale = self.qk_scale if which == "q" else None
         if self.qk_norm == "l2":
-            # In float32 (the sum of squares overflows fp16); eps keeps zero vectors at zero, not NaN.
-            return F.normalize(x.float(), dim=-1, eps=1e-6).type_as(x)
-        if self.qk_norm == "none":
-            return x
-        return getattr(self, which + "_norm")(x)
+            return ScaledUnitNorm.apply(x, None if scale is None else scale.g)
+        if self.qk_norm != "none":
+            x = getattr(self, which + "_norm")(x)
+        return x if scale is None else scale(x)
 
     def _split_heads(self, x: Tensor) -> Tensor:
         """(time, batch, embed) -> (batch, heads, time, head_dim)."""
@@ -109,9 +147,7 @@ class QKNormAttention(MultiheadAttention):
         tgt_len, bsz, embed_dim = query.shape
         saved = self._get_input_buffer(incremental_state) if incremental_state is not None else None
 
-        q = self._normalize(self._split_heads(self.q_proj(query)), "q")
-        if self.qk_scale is not None:
-            q = self.qk_scale(q)  # fold g into q: SDPA's scale is a Python float, g a tensor
+        q = self._normalize(self._split_heads(self.q_proj(query)), "q")  # g included
 
         if saved is not None and static_kv and "prev_key" in saved:
             # Cross attention after the first step: keys and values come from the cache.
@@ -151,7 +187,9 @@ class QKNormAttention(MultiheadAttention):
         dropout_p = self.dropout_module.p if self.training or self.dropout_module.apply_during_inference else 0.0
 
         weights = None
-        if not (need_weights or before_softmax):
+        # The fused kernel, unless the weights are wanted or this is one decoding step: for a query
+        # of length 1 to 5, SDPA's CPU kernel is slower than two matmuls (benchmarks/, measured).
+        if not (need_weights or before_softmax or incremental_state is not None):
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
         else:
             scores = torch.matmul(q, k.transpose(-1, -2)) * scale
@@ -163,9 +201,11 @@ class QKNormAttention(MultiheadAttention):
             if mask is not None:  # a query that may see no key gets zeros, as from SDPA, not NaN
                 weights = weights.masked_fill(torch.isneginf(mask).all(-1, keepdim=True), 0.0)
             attn = torch.matmul(self.dropout_module(weights.type_as(q)), v)
-            weights = self._unfold(weights, group, tgt_len).transpose(0, 1)  # (heads, bsz, tgt, src)
-            if not need_head_weights:
-                weights = weights.mean(dim=0)
+            if need_weights:
+                weights = self._unfold(weights, group, tgt_len).transpose(0, 1)  # (heads, bsz, tgt, src)
+                weights = weights if need_head_weights else weights.mean(dim=0)
+            else:
+                weights = None
 
         attn = self._unfold(attn, group, tgt_len)  # (bsz, heads, tgt, head_dim)
         attn = attn.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import fairseq_qknorm  # noqa: F401  (registers the plugin)
 from fairseq.modules import MultiheadAttention
-from fairseq_qknorm.qknorm_attention import QKNormAttention
+from fairseq_qknorm.qknorm_attention import QKNormAttention, ScaledUnitNorm
 
 E, H, T, S, B = 32, 4, 6, 7, 3
 D = E // H
@@ -119,6 +119,52 @@ def test_none_equals_fairseq_multihead_attention(cross):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
         if need_weights:
             torch.testing.assert_close(wb, wa, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("g_shape", [None, (), (H, 1, 1)], ids=["no-g", "scalar-g", "per-head-g"])
+def test_scaled_unit_norm_has_the_gradients_of_g_x_over_norm_x(g_shape):
+    torch.manual_seed(0)
+    x = torch.randn(B, H, T, D, dtype=torch.float64, requires_grad=True)
+    g = None if g_shape is None else (torch.rand(g_shape, dtype=torch.float64) * 10 + 0.5).requires_grad_()
+    assert torch.autograd.gradcheck(ScaledUnitNorm.apply, (x, g))
+    # and the same values and gradients as the plain composition, in float32
+    x32 = x.detach().float().requires_grad_()
+    g32 = None if g is None else g.detach().float().requires_grad_()
+    grad = torch.randn(B, H, T, D)
+    ours = ScaledUnitNorm.apply(x32, g32)
+    want = F.normalize(x32, dim=-1) * (1.0 if g32 is None else g32)
+    torch.testing.assert_close(ours, want)
+    inputs = [x32] + ([] if g32 is None else [g32])
+    for a, b in zip(torch.autograd.grad(ours, inputs, grad), torch.autograd.grad(want, inputs, grad)):
+        torch.testing.assert_close(a, b)
+
+
+def saved_bytes(module, *args, **kwargs):
+    """Bytes of the distinct tensors autograd keeps for backward, parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    kept = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(*args, **kwargs)
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
+def test_l2_qknorm_keeps_no_more_for_backward_than_stock_attention(cross):
+    kw = dict(kdim=E, vdim=E, encoder_decoder_attention=True) if cross else dict(self_attention=True)
+    stock = MultiheadAttention(E, H, **kw).train()
+    ours = QKNormAttention(E, H, qk_norm="l2", qk_scale="learned", qk_scale_init=5.0, **kw).train()
+    query, key, kpm, _ = inputs(cross)
+    query = query.requires_grad_()
+    call = dict(key_padding_mask=kpm, need_weights=False)
+    stock_bytes, our_bytes = saved_bytes(stock, query, key, key, **call), saved_bytes(ours, query, key, key, **call)
+    # per row of q and k, one float for 1/||x||: nothing the size of q or k itself
+    assert our_bytes <= stock_bytes + 4 * B * H * (T + key.size(0)) + 64, (our_bytes, stock_bytes)
 
 
 @pytest.mark.parametrize("per_head", [False, True])
