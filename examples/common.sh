@@ -52,7 +52,7 @@ set_preset() {
                 # the width (a wider model gets too few updates in the budget); a short budget needs a
                 # short warm-up and a higher peak rate (see examples/README.md)
             model="--encoder-embed-dim 128 --decoder-embed-dim 128 --encoder-ffn-embed-dim 512 --decoder-ffn-embed-dim 512"
-            warmup=400 lr=1e-3 max_update=1400 stop_hours=1.25 valid_epochs=2 bpe=8000 valid_updates=0 ;;
+            warmup=400 lr=1e-3 max_update=1400 stop_hours="" valid_epochs=2 bpe=8000 valid_updates=0 ;;
         toy)    # the quickstart: the generated corpus, a few minutes per arm on 2 cores
             model="--encoder-layers 2 --decoder-layers 2 --encoder-embed-dim 128 --decoder-embed-dim 128 --encoder-ffn-embed-dim 256 --decoder-ffn-embed-dim 256 --encoder-attention-heads 4 --decoder-attention-heads 4 --dropout 0.1"
             warmup=100 lr=1e-3 max_update=300 stop_hours="" valid_epochs=10 bpe=500 valid_updates=0 ;;
@@ -104,6 +104,8 @@ step() {
     local name=$1 after=$2; shift 2
     local stamp="$WORK/stamps/$name" settings="BPE_SIZE=$BPE_SIZE"
     [ "$1" = train_arm ] && settings+=" $MODEL_FLAGS $MAX_TOKENS $WARMUP $MAX_UPDATE $STOP_HOURS $VALID_EPOCHS $VALID_UPDATES $LR $STOP_MIN_LR ${EXTRA_TRAIN_FLAGS:-}"
+    # A process count other than 1 batches differently; 1 adds nothing, so older stamps stay valid.
+    [ "$1" = train_arm ] && [ "${NPROC:-1}" != 1 ] && settings+=" NPROC=$NPROC"
     local signature
     signature=$(printf '%s\n' "${SIGNATURES[$after]:-}" "$*" "$settings" | sha1sum | cut -c1-16)
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$signature" ]; then
@@ -149,7 +151,13 @@ fetch() {
     fi
     mkdir -p "$(dirname "$dest")"
     log "downloading $url -> $dest (resumable: rerun to continue)"
-    curl -fL --retry 3 -C - -o "$dest.part" "$url" || die "download of $url failed; rerun to resume, or see examples/README.md (offline)"
+    local quiet=()
+    [ -t 2 ] || quiet=(--silent --show-error)  # a progress meter on a terminal only: logs keep curl's error line
+    curl -fL --retry 3 -C - "${quiet[@]}" -o "$dest.part" "$url" || {
+        local status=$? kept=""
+        [ -s "$dest.part" ] && kept=" ($(stat -c %s "$dest.part") bytes kept in $dest.part: rerun to resume)"
+        die "download of $url failed (curl exit $status)$kept; offline? give local files instead: DATA_DIR=plain text or TED_ARCHIVE=ted_talks.tar.gz (examples/README.md)"
+    }
     if ! "$check" "$dest.part"; then
         rm -f "$dest.part"
         die "$url: the downloaded file fails its check (deleted); see examples/README.md to use a local copy"
@@ -179,26 +187,22 @@ check_iwslt_file() {
 }
 
 check_plain_text_dir() {
-    local dir=$1 split n_src n_tgt
+    local dir=$1 split lang
     for split in train dev test; do
         for lang in "$SRC" "$TGT"; do
             [ -s "$dir/$split.$lang" ] || die "DATA_DIR=$dir: missing or empty $split.$lang (expected {train,dev,test}.{$SRC,$TGT})"
         done
-        n_src=$(wc -l < "$dir/$split.$SRC"); n_tgt=$(wc -l < "$dir/$split.$TGT")
-        [ "$n_src" = "$n_tgt" ] || die "DATA_DIR=$dir: $split.$SRC has $n_src lines, $split.$TGT has $n_tgt"
     done
 }
 
 get_raw_data() {
-    local out=$WORK/raw tmp=$WORK/raw.tmp split lang
-    rm -rf "$tmp"; mkdir -p "$tmp"
+    local out=$WORK/raw tmp=$WORK/raw.tmp text=$WORK/raw.tmp/source lang
+    rm -rf "$tmp"; mkdir -p "$text"
     if [ -n "${DATA_DIR:-}" ]; then
         check_plain_text_dir "$DATA_DIR"
-        for split in train dev test; do
-            for lang in "$SRC" "$TGT"; do cp "$DATA_DIR/$split.$lang" "$tmp/"; done
-        done
+        text=$DATA_DIR
     elif [ "$PAIR" = toy ]; then
-        run_logged fairseq-qknorm-toy-corpus "$tmp" --train "${TOY_TRAIN:-4000}" --dev "${TOY_DEV:-300}" --test "${TOY_TEST:-300}" >&2
+        run_logged fairseq-qknorm-toy-corpus "$text" --train "${TOY_TRAIN:-4000}" --dev "${TOY_DEV:-300}" --test "${TOY_TEST:-300}" >&2
     elif [ "$PAIR" = en-vi ]; then
         local name stanford_split
         declare -A split_of=([tst2012]=dev [tst2013]=test [train]=train)
@@ -206,7 +210,7 @@ get_raw_data() {
             for lang in en vi; do
                 name=$stanford_split.$lang
                 fetch "$IWSLT_URL/$name" "$CACHE_DIR/iwslt15-en-vi/$name" check_iwslt_file
-                cp "$CACHE_DIR/iwslt15-en-vi/$name" "$tmp/${split_of[$stanford_split]}.$lang"
+                cp "$CACHE_DIR/iwslt15-en-vi/$name" "$text/${split_of[$stanford_split]}.$lang"
             done
         done
     else
@@ -216,10 +220,14 @@ get_raw_data() {
         else
             fetch "$TED_URL" "$archive" check_ted_archive
         fi
-        run_logged python -m fairseq_qknorm_cli.ted "$archive" --src "$SRC" --tgt "$TGT" --out "$tmp" >&2
+        run_logged python -m fairseq_qknorm_cli.ted "$archive" --src "$SRC" --tgt "$TGT" --out "$text" >&2
     fi
-    rm -rf "$out"; mv "$tmp" "$out"
-    for split in train dev test; do log "$split: $(wc -l < "$out/$split.$SRC") sentence pairs"; done
+    # Every source goes through the same checks: invalid UTF-8, unequal line counts and a carriage
+    # return inside a line are errors naming the file (and line); a pair with an empty side is dropped
+    # from train (counted) and an error in dev/test (fairseq_qknorm_cli/check_text.py says why).
+    run_logged python -m fairseq_qknorm_cli.check_text "$text" --src "$SRC" --tgt "$TGT" --out "$tmp/checked" \
+        | while IFS= read -r line; do log "$line"; done
+    rm -rf "$out"; mv "$tmp/checked" "$out"; rm -rf "$tmp"
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -258,6 +266,33 @@ prepare() {
 }
 
 # ---------------------------------------------------------------------------------------------
+# Processes: NPROC (default 1) fairseq-train processes under torchrun, fairseq's own distributed
+# data parallel training: one per GPU (NCCL) or, with --cpu, CPU processes (gloo). fairseq sums the
+# gradients of all ranks, so each rank gets MAX_TOKENS / NPROC tokens (rounded down) and an update
+# still holds MAX_TOKENS, the paper's batch. fairseq cannot infer a rank on CPU (it divides by the
+# GPU count), so a shell wrapper hands torchrun's RANK / LOCAL_RANK to each fairseq-train.
+# legacy_ddp all-reduces the gradients after each backward pass; it works on CPU and GPU alike.
+# ---------------------------------------------------------------------------------------------
+set_processes() {
+    NPROC=${NPROC:-1}
+    [[ $NPROC =~ ^[1-9][0-9]*$ ]] || die "NPROC=$NPROC: expected a number of processes (1 or more)"
+    RANK_MAX_TOKENS=$((MAX_TOKENS / NPROC))
+    LAUNCH=() DISTRIBUTED_FLAGS=()
+    [ "$NPROC" = 1 ] && return
+    local backend=gloo gpus
+    if [[ " $DEVICE_FLAGS " != *" --cpu "* ]]; then
+        backend=nccl
+        gpus=$(python -c 'import torch; print(torch.cuda.device_count())')
+        [ "$NPROC" -le "$gpus" ] || die "NPROC=$NPROC: torch sees $gpus GPU(s); NCCL needs one GPU per process (DEVICE_FLAGS=--cpu for CPU processes)"
+    fi
+    LAUNCH=(torchrun --standalone --nproc-per-node "$NPROC" --no-python
+            sh -c 'exec "$0" "$@" --distributed-rank "$RANK" --device-id "$LOCAL_RANK"')
+    DISTRIBUTED_FLAGS=(--distributed-world-size "$NPROC" --distributed-init-method env:// --distributed-no-spawn
+                       --distributed-backend "$backend" --ddp-backend legacy_ddp)
+    log "$NPROC processes ($backend), --max-tokens $RANK_MAX_TOKENS per process"
+}
+
+# ---------------------------------------------------------------------------------------------
 # Training: train_arm DIR ARCH [EXTRA FLAGS...]. Checkpoints go to DIR/checkpoints.tmp and are
 # renamed when training has finished; the wall time goes to DIR/train_seconds.
 # ---------------------------------------------------------------------------------------------
@@ -269,25 +304,31 @@ train_arm() {
     local budget=()
     [ "$MAX_UPDATE" -gt 0 ] && budget+=(--max-update "$MAX_UPDATE")
     [ -n "$STOP_HOURS" ] && budget+=(--stop-time-hours "$STOP_HOURS")
+    set_processes
     mkdir -p "$dir"
     rm -rf "$dir/checkpoints.tmp" "$dir/checkpoints"
     local start=$SECONDS
+    # A sentence longer than the model's positions (or MAX_TOKENS) is skipped in train, as fairseq
+    # always does, and in validation (dev BLEU over the rest) rather than stopping training at its
+    # first validation; fairseq's warnings, repeated below, say how many.
     # shellcheck disable=SC2086  # MODEL_FLAGS / DEVICE_FLAGS / EXTRA_TRAIN_FLAGS are flag lists
-    run_logged fairseq-train "$WORK/bin" --user-dir "$USER_DIR" --arch "$arch" $MODEL_FLAGS "$@" \
+    run_logged "${LAUNCH[@]}" fairseq-train "$WORK/bin" --user-dir "$USER_DIR" --arch "$arch" $MODEL_FLAGS "$@" \
         --source-lang "$SRC" --target-lang "$TGT" \
         --optimizer adam --clip-norm 1.0 --lr "$LR" \
         --lr-scheduler reduce_lr_on_plateau --lr-shrink 0.8 --lr-patience 3 \
         --warmup-updates "$WARMUP" --warmup-init-lr "$(python -c "print($STOP_MIN_LR * 1.01)")" --stop-min-lr "$STOP_MIN_LR" \
         --criterion label_smoothed_cross_entropy --label-smoothing 0.1 \
-        --max-tokens "$MAX_TOKENS" --required-batch-size-multiple 1 \
+        --max-tokens "$RANK_MAX_TOKENS" --required-batch-size-multiple 1 --skip-invalid-size-inputs-valid-test \
         --eval-bleu --eval-bleu-args "{\"beam\": $BEAM, \"lenpen\": $LENPEN, \"max_len_a\": 1, \"max_len_b\": $MAX_LEN_B}" --eval-bleu-remove-bpe sentencepiece \
         --best-checkpoint-metric bleu --maximize-best-checkpoint-metric \
         "${validation[@]}" "${budget[@]}" \
         --save-dir "$dir/checkpoints.tmp" --no-epoch-checkpoints --seed "$seed" \
         --log-format simple --log-interval "${LOG_INTERVAL:-20}" --num-workers 0 \
-        $DEVICE_FLAGS ${EXTRA_TRAIN_FLAGS:-} > "$dir/train.log" 2>&1 \
+        $DEVICE_FLAGS "${DISTRIBUTED_FLAGS[@]}" ${EXTRA_TRAIN_FLAGS:-} > "$dir/train.log" 2>&1 \
         || { tail -20 "$dir/train.log" >&2; die "fairseq-train failed (log: $dir/train.log)"; }
     [ -f "$dir/checkpoints.tmp/checkpoint_best.pt" ] || die "no checkpoint_best.pt after training (log: $dir/train.log)"
+    { grep -o "[0-9,]* samples have invalid sizes and will be skipped.*" "$dir/train.log" || true; } | sort -u \
+        | while IFS= read -r line; do log "warning: fairseq-train: $line (longer than the model allows)"; done
     echo $((SECONDS - start)) > "$dir/train_seconds"
     mv "$dir/checkpoints.tmp" "$dir/checkpoints"
     if [ -f "$ROOT/fairseq_qknorm_cli/inspect.py" ] && grep -q -- "--qk-norm\|qknorm_paper" <<< "$arch $*"; then
@@ -307,8 +348,13 @@ generate_arm() {
     run_logged fairseq-generate "$WORK/bin" --user-dir "$USER_DIR" --path "$dir/checkpoints/checkpoint_best.pt" \
         --source-lang "$SRC" --target-lang "$TGT" --gen-subset test \
         --beam "$BEAM" --lenpen "$LENPEN" --max-len-a 1 --max-len-b "$MAX_LEN_B" --batch-size 64 --required-batch-size-multiple 1 \
-        $DEVICE_FLAGS > "$dir/generate.out" 2> "$dir/generate.log" \
+        --skip-invalid-size-inputs-valid-test $DEVICE_FLAGS > "$dir/generate.out" 2> "$dir/generate.log" \
         || { tail -20 "$dir/generate.log" >&2; die "fairseq-generate failed (log: $dir/generate.log)"; }
+    # A test pair longer than the model allows (either side) is never dropped from the scored test set:
+    # fairseq skips it (--skip-invalid-size-inputs-valid-test, instead of a traceback) and the recipe stops.
+    local skipped
+    skipped=$(grep -o "[0-9,]* samples have invalid sizes.*" "$dir/generate.log" | head -1 || true)
+    [ -z "$skipped" ] || die "$dir: test sentences longer than the model allows ($skipped; ids count lines from 0): a test set is never cut; train with larger --max-source-positions/--max-target-positions (EXTRA_TRAIN_FLAGS) or split those lines"
     grep '^H-' "$dir/generate.out" | sed 's/^H-//' | sort -n -k1,1 | cut -f3 > "$dir/test.sp.hyp"
     n_hyp=$(wc -l < "$dir/test.sp.hyp"); n_src=$(wc -l < "$WORK/raw/test.$SRC")
     [ "$n_hyp" = "$n_src" ] || die "$dir: fairseq-generate wrote $n_hyp hypotheses for $n_src test sentences"

@@ -22,4 +22,4 @@ from .errors import install_excepthook  # noqa: E402
 allow_fairseq_checkpoints()
 install_excepthook()
 
-from . import architectures, transformer_qknorm  # noqa: E402,F401
+from . import architectures, cpu_bf16, transformer_qknorm  # noqa: E402,F401

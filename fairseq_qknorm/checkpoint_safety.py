@@ -14,8 +14,9 @@ import torch
 
 
 def _numpy_globals():
-    # numpy arrays in checkpoints come from --eval-bleu's statistics; numpy 1 pickles the
-    # reconstructor as numpy.core.multiarray, numpy 2 as numpy._core.multiarray.
+    # numpy arrays in checkpoints come from --eval-bleu's statistics (int64; float64 after a
+    # distributed run sums them over ranks); numpy 1 pickles the reconstructor as
+    # numpy.core.multiarray, numpy 2 as numpy._core.multiarray.
     try:
         from numpy._core.multiarray import _reconstruct
     except ImportError:  # numpy 1
@@ -24,7 +25,7 @@ def _numpy_globals():
     found = [(_reconstruct, name) for name in names]
     found += [np.ndarray, np.dtype]
     if hasattr(np, "dtypes"):
-        found.append(np.dtypes.Int64DType)
+        found += [np.dtypes.Int64DType, np.dtypes.Float64DType]
     return found
 
 

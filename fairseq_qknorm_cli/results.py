@@ -66,8 +66,13 @@ def parse_train_log(path):
     return out
 
 
+def _is_training(command):
+    """A fairseq-train command line, alone or under torchrun (the recipes' NPROC > 1)."""
+    return command.startswith("fairseq-train ") or (command.startswith("torchrun ") and " fairseq-train " in command)
+
+
 def _train_command(commands, arm_dir):
-    return next((c for c in reversed(commands) if c.startswith("fairseq-train ") and f"{arm_dir}/checkpoints.tmp" in c), None)
+    return next((c for c in reversed(commands) if _is_training(c) and f"{arm_dir}/checkpoints.tmp" in c), None)
 
 
 def read_commands(path):
@@ -77,7 +82,7 @@ def read_commands(path):
         return []
     with open(path, encoding="utf-8") as f:
         lines = [line.strip() for line in f if line.strip()]
-    key = [re.search(r"--save-dir (\S+)", c).group(1) if c.startswith("fairseq-train ") and "--save-dir" in c else c
+    key = [re.search(r"--save-dir (\S+)", c).group(1) if _is_training(c) and "--save-dir" in c else c
            for c in lines]
     last = {k: i for i, k in enumerate(key)}
     return [c for i, (c, k) in enumerate(zip(lines, key)) if last[k] == i]

@@ -10,10 +10,11 @@ Writes OUTDIR/{train,dev,test}.{SRC,TGT}: the plain-text layout every recipe rea
     python -m fairseq_qknorm_cli.ted DIR_WITH_TSVS   --src gl --tgt en --out data/ted-gl-en
 """
 import argparse
-import io
 import os
 import sys
 import tarfile
+
+from fairseq_qknorm_cli.check_text import utf8_lines
 
 SPLITS = ("train", "dev", "test")
 NULL_MARKERS = ("__NULL__", "_ _ NULL _ _")
@@ -29,7 +30,7 @@ def is_missing(text):
 
 def extract_pair(lines, src, tgt, name="<tsv>"):
     """Check the header now, then return an iterator over the (src, tgt) fields of every row of one
-    all_talks_*.tsv, missing sides included."""
+    all_talks_*.tsv (LINES: its lines as text), missing sides included."""
     header = next(lines, None)
     if header is None:
         raise ValueError(f"{name}: empty file, expected a header row of language codes")
@@ -98,8 +99,9 @@ def extract_archive(archive, src, tgt, outdir):
                 split = next((s for s in SPLITS if os.path.basename(member.name) == f"all_talks_{s}.tsv"), None)
                 if split is None or not member.isfile():
                     continue
-                with io.TextIOWrapper(tar.extractfile(member), encoding="utf-8") as f:
-                    done[split] = write_split(f, src, tgt, os.path.join(outdir, split), f"{archive}:{member.name}")
+                name = f"{archive}:{member.name}"
+                with tar.extractfile(member) as f:
+                    done[split] = write_split(utf8_lines(f, name), src, tgt, os.path.join(outdir, split), name)
     except tarfile.TarError as e:
         _fail(f"{archive}: not a readable tar archive ({e})")
     missing = [s for s in SPLITS if s not in done]
@@ -126,9 +128,9 @@ def main(argv=None):
         else:
             counts = {}
             for split, path in paths.items():
-                with open(path, encoding="utf-8") as f:
-                    counts[split] = write_split(f, args.src, args.tgt, os.path.join(args.out, split), path)
-    except (ValueError, UnicodeDecodeError) as e:
+                with open(path, "rb") as f:  # decoded line by line: a UTF-8 error names its line
+                    counts[split] = write_split(utf8_lines(f, path), args.src, args.tgt, os.path.join(args.out, split), path)
+    except ValueError as e:
         _fail(str(e))
     for split in SPLITS:
         kept, dropped = counts[split]
