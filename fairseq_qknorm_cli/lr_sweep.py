@@ -1,0 +1,483 @@
+"""Learning-rate sweep: does QK normalization keep a tiny translation model trainable at high peak
+learning rates? (Wortsman et al. 2023, "Small-scale proxies for large-scale Transformer training
+instabilities": attention logits grow at high learning rates until training diverges;
+qk-layernorm prevents it.)
+
+    python -m fairseq_qknorm_cli.lr_sweep --work-dir work/lr_sweep --out-dir examples/lr_sweep \\
+        [--arms stock qknorm qk_layernorm] [--lrs 3e-4 1e-3 ...] [--seeds 1] [--updates 300] [--threads 2]
+
+Every run is real fairseq training, in-process: fairseq's translation task, model, criterion and
+Trainer, built from fairseq-train flags (results.json holds the equivalent fairseq-train command
+of each run). Per run it records the training loss of every update (bits per token, as fairseq
+logs it) and, every --stats-interval updates on one fixed batch of dev sentences, each attention
+module's largest pre-softmax logit, its smallest per-head entropy and, for QKNorm, the learned g.
+
+A run counts as diverged when a loss or gradient is not finite, or when the mean loss of the last
+WINDOW updates rises above the mean of the first WINDOW; it is stopped there. Writes
+OUT/results.json (kept up to date after every run: a rerun with the same settings skips the runs
+already there), OUT/final_loss_vs_lr.png and OUT/max_logit_vs_lr.png, and prints the table.
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Same dims for every arm: pre-norm, 2+2 layers, 64 wide, 4 heads (head dim 16), shared
+# embeddings, no dropout (nothing to hide a divergence). Only the attention differs.
+MODEL = [
+    "--encoder-layers", "2", "--decoder-layers", "2",
+    "--encoder-embed-dim", "64", "--decoder-embed-dim", "64",
+    "--encoder-ffn-embed-dim", "256", "--decoder-ffn-embed-dim", "256",
+    "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+    "--encoder-normalize-before", "--decoder-normalize-before", "--share-all-embeddings",
+    "--dropout", "0.0",
+]
+ARMS = {
+    "stock": ["--arch", "transformer"],
+    # g0 = log2(L^2 - L), L = 97.5th percentile of the binarized training lengths (the paper's rule)
+    "qknorm": ["--arch", "transformer_qknorm", "--qk-norm", "l2", "--qk-scale", "learned", "--qk-scale-init", "auto"],
+    "qk_layernorm": ["--arch", "transformer_qknorm", "--qk-norm", "layernorm", "--qk-scale", "none"],
+}
+DEFAULT_LRS = [3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1]
+MAX_TOKENS = 1024
+CORPUS = {"train": 4000, "dev": 200, "seed": 1}  # the generated toy corpus, word level (no subwords)
+STATS_SENTENCES = 32  # the fixed batch: the first dev sentences
+WINDOW = 10  # updates averaged for the start, final and best loss and the divergence rule
+
+
+def fail(message):
+    sys.exit(f"error: {message}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses: the divergence rule and the summaries
+# ---------------------------------------------------------------------------------------------
+def window_means(losses, window=WINDOW):
+    """Mean of every `window` consecutive losses (fewer at the start)."""
+    return [sum(losses[max(0, i + 1 - window):i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(losses))]
+
+
+def divergence(losses, window=WINDOW):
+    """Why a run with these per-update losses counts as diverged, or None: a loss that is not a
+    finite number (None stands for a step fairseq refused: non-finite gradients), or a mean of the
+    last `window` losses above the mean of the first `window`. Batches differ in difficulty, so
+    single losses are compared only through these means."""
+    for i, loss in enumerate(losses):
+        if loss is None or not math.isfinite(loss):
+            return f"non-finite loss at update {i + 1}"
+    if len(losses) >= 2 * window:
+        start, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
+        if last > start:
+            return f"mean loss of updates {len(losses) - window + 1}-{len(losses)} ({last:.3f}) above that of the first {window} ({start:.3f})"
+    return None
+
+
+def loss_summary(losses, window=WINDOW):
+    """start, final, best: means over `window` updates (first, last, lowest); NaN when undefined."""
+    finite = []
+    for loss in losses:
+        if loss is None or not math.isfinite(loss):
+            break
+        finite.append(loss)
+    means = window_means(finite, window)
+    nan = float("nan")
+    return {
+        "start": sum(finite[:window]) / len(finite[:window]) if finite else nan,
+        "final": means[-1] if finite and len(finite) == len(losses) else nan,
+        "best": min(means[window - 1:] or means) if means else nan,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: the toy corpus, binarized once into WORK/bin
+# ---------------------------------------------------------------------------------------------
+def prepare_data(work_dir: Path) -> Path:
+    """WORK/bin: the generated toy corpus, binarized by fairseq-preprocess with a joined dictionary.
+    Built under a temporary name and renamed, so an existing WORK/bin is complete and is reused."""
+    from .toy_corpus import write_corpus
+
+    bin_dir = work_dir / "bin"
+    if (bin_dir / "dict.src.txt").exists():
+        return bin_dir
+    if bin_dir.exists():
+        fail(f"{bin_dir} exists but has no dict.src.txt (not made by this script?); delete it")
+    raw, tmp = work_dir / "raw", work_dir / "bin.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted run
+    write_corpus(raw, train=CORPUS["train"], dev=CORPUS["dev"], test=0, seed=CORPUS["seed"])
+    cmd = [str(Path(sys.executable).parent / "fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
+           "--trainpref", str(raw / "train"), "--validpref", str(raw / "dev"), "--joined-dictionary",
+           "--destdir", str(tmp), "--workers", "1"]
+    print(f"| preparing data: {shlex.join(cmd)}", flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        fail(f"fairseq-preprocess failed:\n{proc.stderr[-2000:]}")
+    os.replace(tmp, bin_dir)
+    return bin_dir
+
+
+def fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir):
+    """The fairseq-train flags of one run."""
+    from fairseq_qknorm import USER_DIR
+
+    return [
+        str(bin_dir), "--user-dir", USER_DIR, "--task", "translation", "--source-lang", "src", "--target-lang", "tgt",
+        *ARMS[arm], *MODEL,
+        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--adam-eps", "1e-8", "--weight-decay", "0.0",
+        "--lr", repr(lr), "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(warmup), "--warmup-init-lr", "0",
+        "--clip-norm", "0", "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+        "--max-tokens", str(MAX_TOKENS), "--required-batch-size-multiple", "1", "--max-update", str(updates),
+        "--seed", str(seed), "--cpu", "--num-workers", "0", "--save-dir", str(save_dir), "--no-save",
+        # No prefetching thread: a run stops mid-epoch, and a thread left filling its buffer
+        # aborts the interpreter at exit ("terminate called without an active exception").
+        "--data-buffer-size", "0",
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# One run
+# ---------------------------------------------------------------------------------------------
+def attention_snapshot(model, criterion, sample):
+    """On the fixed batch: its loss (bits per token) and, per attention module ("decoder cross 1"),
+    the largest pre-softmax logit over real query/key pairs, the smallest per-head entropy (nats,
+    averaged over the real queries of that head) and g when the module has one."""
+    import torch
+    from fairseq_qknorm.qknorm_attention import QKNormAttention
+
+    from .attention_stats import attention_module, query_and_key_mask, recording_attention, sort_key
+
+    pad = criterion.padding_idx
+    net_input = sample["net_input"]
+    src_valid, tgt_valid = net_input["src_tokens"].ne(pad), net_input["prev_output_tokens"].ne(pad)
+    max_logit, min_entropy = {}, {}
+
+    def on_attention(where, weights, logits):
+        query_valid, key_valid = query_and_key_mask(where, src_valid, tgt_valid)
+        real_keys = key_valid[:, None, None, :] & torch.isfinite(logits)
+        # Rows of real queries that choose among two keys or more (not the decoder's first step).
+        rows = query_valid[:, None, :] & (real_keys.sum(dim=-1) >= 2)  # (batch, heads, tgt)
+        entropy = -torch.special.xlogy(weights.float(), weights.float()).sum(dim=-1)
+        per_head = (entropy * rows).sum(dim=(0, 2)) / rows.sum(dim=(0, 2)).clamp_min(1)
+        real = rows[..., None] & real_keys
+        name = f"{where[0]} {where[1]}"
+        max_logit[name] = float(logits.float().masked_fill(~real, -math.inf).max())
+        min_entropy[name] = float(per_head.min())
+
+    model.eval()
+    with torch.no_grad(), recording_attention(model, on_attention):
+        loss, sample_size, _ = criterion(model, sample)
+    g = {}
+    for name, module in model.named_modules():
+        where = attention_module(name)
+        if where is not None and isinstance(module, QKNormAttention) and module.qk_scale is not None:
+            g[f"{where[0]} {where[1]}"] = module.qk_scale.g.tolist()
+    order = sorted(max_logit, key=lambda n: sort_key((n.rsplit(" ", 1)[0], int(n.rsplit(" ", 1)[1]))))
+    return {"loss": float(loss) / sample_size / math.log(2),
+            "max_logit": {n: max_logit[n] for n in order}, "min_entropy": {n: min_entropy[n] for n in order}, "g": g}
+
+
+def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
+    """Train one arm at one peak learning rate; returns its record for results.json."""
+    import torch
+    from fairseq import options, tasks, utils
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.logging import metrics
+    from fairseq.trainer import Trainer
+
+    with tempfile.TemporaryDirectory(prefix="lr_sweep_") as save_dir:  # fairseq's crash.pt, if any
+        flags = fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir)
+        cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), flags))
+        metrics.reset()
+        utils.set_torch_seed(seed)
+        task = tasks.setup_task(cfg.task)
+        model = task.build_model(cfg.model)
+        criterion = task.build_criterion(cfg.criterion)
+        task.load_dataset("valid")
+        dev = task.dataset("valid")
+        fixed_batch = dev.collater([dev[i] for i in range(min(STATS_SENTENCES, len(dev)))])
+        trainer = Trainer(cfg, task, model, criterion)
+        epoch_itr = trainer.get_train_iterator(epoch=1)
+
+        record = {"arm": arm, "lr": lr, "seed": seed, "command": "fairseq-train " + shlex.join(flags),
+                  "params": sum(p.numel() for p in model.parameters()),
+                  # the g0 the model was built with (`auto` resolved from the data); None: no g
+                  "qk_scale_init": cfg.model.qk_scale_init if getattr(cfg.model, "qk_scale", "none") != "none" else None,
+                  "loss": [], "gnorm": [], "stats": [], "diverged": None}
+        record["command"] = record["command"].replace(save_dir, "SAVE_DIR")
+
+        def snapshot():
+            record["stats"].append({"update": len(record["loss"]), **attention_snapshot(model, criterion, fixed_batch)})
+
+        start = time.time()
+        snapshot()
+        while len(record["loss"]) < updates and record["diverged"] is None:
+            trainer.begin_epoch(epoch_itr.next_epoch_idx)
+            for sample in epoch_itr.next_epoch_itr(shuffle=True):
+                try:
+                    # The gradient norm is logged to the active aggregators, not returned.
+                    with metrics.aggregate() as step_metrics:
+                        loss = trainer.train_step([sample])["loss"]
+                    gnorm = step_metrics.get_smoothed_values()["gnorm"]
+                except FloatingPointError:  # fairseq's answer to non-finite gradients
+                    loss, gnorm = None, None
+                record["loss"].append(loss)
+                record["gnorm"].append(gnorm)
+                record["diverged"] = divergence(record["loss"])
+                done = len(record["loss"])
+                stop = record["diverged"] is not None or done >= updates
+                if stop or done % stats_interval == 0:
+                    # At a stop for non-finite gradients fairseq has not applied the step: this
+                    # is the model just before it.
+                    snapshot()
+                    log(progress_line(record))
+                if stop:
+                    break
+        if record["diverged"] is not None:
+            log(f"{arm} lr {lr:g} seed {seed} | diverged, stopped: {record['diverged']}")
+        record["seconds"] = round(time.time() - start, 1)
+        record["torch_threads"] = torch.get_num_threads()
+    return record
+
+
+def progress_line(record):
+    s, loss, gnorm = record["stats"][-1], record["loss"][-1], record["gnorm"][-1]
+    line = (f"{record['arm']} lr {record['lr']:g} seed {record['seed']} | update {s['update']} | "
+            f"loss {_fmt(loss, '.3f')} | gnorm {_fmt(gnorm, '.3f')} | fixed-batch loss {_fmt(s['loss'], '.3f')} | "
+            f"max logit {_fmt(max(s['max_logit'].values()), '.2f')} | min entropy {_fmt(min(s['min_entropy'].values()), '.3f')}")
+    if s["g"]:
+        line += f" | g {_fmt(min(s['g'].values()), '.3f')}..{_fmt(max(s['g'].values()), '.3f')}"
+    return line
+
+
+def _fmt(x, spec):
+    return "nan" if x is None or not math.isfinite(x) else format(x, spec)
+
+
+def summarize(run):
+    """One table row: losses, divergence, and the extremes of the attention statistics."""
+    stats = run["stats"]
+    losses = loss_summary(run["loss"])
+    return {
+        "arm": run["arm"], "lr": run["lr"], "seed": run["seed"], "updates": len(run["loss"]),
+        **losses, "diverged": run["diverged"],
+        "max_logit": max(_finite(v for s in stats for v in s["max_logit"].values()), default=math.nan),
+        "min_entropy": min(_finite(v for s in stats for v in s["min_entropy"].values()), default=math.nan),
+        "g_final": sorted(_finite(stats[-1]["g"].values())) or None,
+    }
+
+
+def _finite(values):
+    """The finite numbers among values (results.json stores NaN and infinities as null)."""
+    return [v for v in values if v is not None and math.isfinite(v)]
+
+
+def markdown_table(runs):
+    lines = ["| arm | peak lr | seed | updates | start loss | final loss | best loss | diverged | max logit | "
+             "min entropy | final g (min..max) |", "|" + "---|" * 11]
+    for row in sorted((summarize(r) for r in runs), key=lambda r: (list(ARMS).index(r["arm"]), r["lr"], r["seed"])):
+        g = f"{row['g_final'][0]:.2f}..{row['g_final'][-1]:.2f}" if row["g_final"] else "-"
+        lines.append(f"| {row['arm']} | {row['lr']:g} | {row['seed']} | {row['updates']} | {_fmt(row['start'], '.3f')} | "
+                     f"{_fmt(row['final'], '.3f')} | {_fmt(row['best'], '.3f')} | {'yes' if row['diverged'] else 'no'} | "
+                     f"{_fmt(row['max_logit'], '.2f')} | {_fmt(row['min_entropy'], '.3f')} | {g} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures (matplotlib without pyplot: no display, no global state)
+# ---------------------------------------------------------------------------------------------
+def plot_against_lr(runs, path, value, ylabel, title, log_y=False):
+    """One line per arm (mean over seeds) of value(row) against the peak learning rate; a diverged
+    run is marked with an x, drawn at the top of the plot when its value is not a number."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.5, 4.8), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    rows = [summarize(r) for r in runs]
+    finite = _finite(value(r) for r in rows)
+    top = max(finite) * (1.3 if log_y else 1.05) if finite else 1.0
+    for i, arm in enumerate(a for a in ARMS if any(r["arm"] == a for r in rows)):
+        color = f"C{i}"
+        lrs = sorted({r["lr"] for r in rows if r["arm"] == arm})
+        ys, x_div, y_div = [], [], []
+        for lr in lrs:
+            vals = [value(r) for r in rows if r["arm"] == arm and r["lr"] == lr]
+            ok = _finite(vals)
+            ys.append(sum(ok) / len(ok) if ok else top)
+            if any(r["diverged"] for r in rows if r["arm"] == arm and r["lr"] == lr):
+                x_div.append(lr)
+                y_div.append(ys[-1])
+        ax.plot(lrs, ys, "o-", color=color, label=arm)
+        ax.plot(x_div, y_div, "x", color="black", markersize=11, markeredgewidth=2)
+    ax.plot([], [], "x", color="black", markersize=9, markeredgewidth=2, label="diverged (stopped there)")
+    ax.set_xscale("log")
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel("peak learning rate (inverse_sqrt schedule)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    tmp = str(path) + ".tmp"
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, path)
+
+
+def write_figures(runs, out_dir, updates):
+    plot_against_lr(runs, out_dir / "final_loss_vs_lr.png", lambda r: r["final"],
+                    f"training loss, mean of the last {WINDOW} updates (bits/token)",
+                    f"Final loss after {updates} updates vs peak learning rate")
+    plot_against_lr(runs, out_dir / "max_logit_vs_lr.png", lambda r: r["max_logit"],
+                    "largest pre-softmax attention logit (any module, any snapshot)",
+                    "Attention logit growth vs peak learning rate", log_y=True)
+
+
+def write_json(path, data):
+    def clean(x):  # strict JSON: NaN and infinities become null
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [clean(v) for v in x]
+        return x
+
+    tmp = str(path) + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(clean(data), f, indent=1, allow_nan=False)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+def _positive_float(value):
+    try:
+        x = float(value)
+    except ValueError:
+        x = float("nan")
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
+    return x
+
+
+def _positive_int(value):
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return n
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--lrs", nargs="+", type=_positive_float, default=DEFAULT_LRS, metavar="LR",
+                        help="peak learning rates")
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), metavar="ARM",
+                        help=f"attention variants: {', '.join(ARMS)}")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[1], metavar="SEED")
+    parser.add_argument("--updates", type=_positive_int, default=300, help="updates per run")
+    parser.add_argument("--warmup-updates", type=_positive_int, default=75,
+                        help="linear warm-up of the inverse_sqrt schedule")
+    parser.add_argument("--stats-interval", type=_positive_int, default=10,
+                        help="attention statistics every N updates (and at update 0 and the last)")
+    parser.add_argument("--work-dir", type=Path, required=True, help="data (generated and binarized once)")
+    parser.add_argument("--out-dir", type=Path, required=True, help="results.json and the figures")
+    parser.add_argument("--threads", type=_positive_int, default=2, help="torch CPU threads")
+    args = parser.parse_args(argv)
+    if args.warmup_updates > args.updates:
+        parser.error(f"--warmup-updates {args.warmup_updates} exceeds --updates {args.updates}")
+    for flag, path in (("--work-dir", args.work_dir), ("--out-dir", args.out_dir)):
+        if path.exists() and not path.is_dir():
+            parser.error(f"{flag} {path}: exists and is not a directory")
+    return args
+
+
+def machine():
+    """The CPU model as lscpu names it (Linux), the core count and Python's version."""
+    cpu = platform.processor()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()}
+
+
+def finished_runs(results_path, settings):
+    """The runs of an earlier sweep into the same results.json; it must have had the same settings
+    (a sweep is one table: runs of other lengths or models are not comparable)."""
+    if not results_path.exists():
+        return []
+    try:
+        old = json.loads(results_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        fail(f"{results_path}: not valid JSON; delete it to start again")
+    if old.get("settings") != json.loads(json.dumps(settings)):
+        fail(f"{results_path} holds runs with other settings (--updates, --warmup-updates, --stats-interval "
+             "or the model); use another --out-dir or delete it")
+    return old["runs"]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    settings = {"updates": args.updates, "warmup_updates": args.warmup_updates, "stats_interval": args.stats_interval,
+                "model": MODEL, "arms": ARMS, "max_tokens": MAX_TOKENS, "corpus": CORPUS,
+                "stats_sentences": STATS_SENTENCES, "window": WINDOW}
+    results_path = args.out_dir / "results.json"
+    runs = finished_runs(results_path, settings)
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+
+    import logging
+    import warnings
+
+    # fairseq-train's log format, set before fairseq's imports (hydra's setup would otherwise
+    # install a bare DEBUG-level one).
+    logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
+                        datefmt="%Y-%m-%d %H:%M:%S", level=logging.INFO, stream=sys.stdout)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    # Deprecation notices of hydra and torch that fairseq triggers once per run: not about this sweep.
+    for message in (r"(?s).*hydra\.cc", r"(?s).*'pin_memory'", r"(?s).*torch\.cuda\.amp\.autocast"):
+        warnings.filterwarnings("ignore", message=message)
+    import fairseq
+
+    logging.getLogger("fairseq").setLevel(logging.WARNING)  # fairseq's build logs; our lines say what ran
+    logging.getLogger("fairseq.nan_detector").setLevel(logging.ERROR)  # it reruns a diverged step, verbosely
+    for name in ("hydra", "matplotlib"):  # their DEBUG lines (hydra's setup lowers the root level)
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+    def log(message):
+        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} | INFO | lr_sweep | {message}", flush=True)
+
+    if runs:
+        log(f"{results_path}: keeping {len(runs)} finished runs with the same settings (delete it to redo them)")
+    bin_dir = prepare_data(args.work_dir)
+    header = {"command": "python -m fairseq_qknorm_cli.lr_sweep " + shlex.join(sys.argv[1:] if argv is None else argv),
+              "settings": settings, "machine": {**machine(), "torch": torch.__version__, "fairseq": fairseq.__version__,
+                                               "torch_threads": args.threads}}
+    for seed in args.seeds:
+        for arm in args.arms:
+            for lr in args.lrs:
+                if any(r["arm"] == arm and r["lr"] == lr and r["seed"] == seed for r in runs):
+                    continue
+                runs.append(train_run(bin_dir, arm, lr, seed, args.updates, args.warmup_updates, args.stats_interval, log))
+                write_json(results_path, {**header, "runs": runs})
+    write_json(results_path, {**header, "runs": runs})
+    write_figures(runs, args.out_dir, args.updates)
+    print(markdown_table(runs))
+    log(f"wrote {results_path}, {args.out_dir / 'final_loss_vs_lr.png'}, {args.out_dir / 'max_logit_vs_lr.png'}")
+
+
+if __name__ == "__main__":
+    main()
