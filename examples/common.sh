@@ -97,7 +97,8 @@ setup_work() {
 # same signature: the command, the settings it depends on, and the signature of step AFTER (the
 # step whose output it reads; "-" for none), so redoing a step redoes what was built from it.
 # Functions write to temporary names and rename when complete: a step killed half-way leaves no
-# stamp and is redone, never trusted.
+# stamp and is redone, never trusted (training resumes from its last complete checkpoint).
+# FUNCTION sees the signature as STEP_SIGNATURE.
 # ---------------------------------------------------------------------------------------------
 declare -A SIGNATURES
 step() {
@@ -113,7 +114,7 @@ step() {
     else
         rm -f "$stamp"
         log "$name: running"
-        "$@"
+        STEP_SIGNATURE=$signature "$@"
         echo "$signature" > "$stamp.tmp" && mv "$stamp.tmp" "$stamp"
     fi
     SIGNATURES[$name]=$signature
@@ -294,7 +295,10 @@ set_processes() {
 
 # ---------------------------------------------------------------------------------------------
 # Training: train_arm DIR ARCH [EXTRA FLAGS...]. Checkpoints go to DIR/checkpoints.tmp and are
-# renamed when training has finished; the wall time goes to DIR/train_seconds.
+# renamed when training has finished; the wall time goes to DIR/train_seconds. A training killed
+# half-way resumes, when its step is rerun with the same signature, from checkpoints.tmp/
+# checkpoint_last.pt: fairseq restores model, optimizer, schedule and data position, and its files
+# under final names are complete (fairseq_qknorm/atomic_checkpoint_copy.py); train.log goes on.
 # ---------------------------------------------------------------------------------------------
 train_arm() {
     local dir=$1 arch=$2; shift 2
@@ -306,7 +310,14 @@ train_arm() {
     [ -n "$STOP_HOURS" ] && budget+=(--stop-time-hours "$STOP_HOURS")
     set_processes
     mkdir -p "$dir"
-    rm -rf "$dir/checkpoints.tmp" "$dir/checkpoints"
+    # Called outside step() (no signature): always afresh.
+    if [ -z "${STEP_SIGNATURE:-}" ] || [ "$(cat "$dir/checkpoints.tmp/step_signature" 2>/dev/null)" != "$STEP_SIGNATURE" ]; then
+        # not this step's own unfinished run (none, or other settings): start afresh
+        rm -rf "$dir/checkpoints.tmp" "$dir/train.log"
+        mkdir -p "$dir/checkpoints.tmp"
+        echo "${STEP_SIGNATURE:-}" > "$dir/checkpoints.tmp/step_signature"
+    fi
+    rm -rf "$dir/checkpoints"
     local start=$SECONDS
     # A sentence longer than the model's positions (or MAX_TOKENS) is skipped in train, as fairseq
     # always does, and in validation (dev BLEU over the rest) rather than stopping training at its
@@ -324,7 +335,7 @@ train_arm() {
         "${validation[@]}" "${budget[@]}" \
         --save-dir "$dir/checkpoints.tmp" --no-epoch-checkpoints --seed "$seed" \
         --log-format simple --log-interval "${LOG_INTERVAL:-20}" --num-workers 0 \
-        $DEVICE_FLAGS "${DISTRIBUTED_FLAGS[@]}" ${EXTRA_TRAIN_FLAGS:-} > "$dir/train.log" 2>&1 \
+        $DEVICE_FLAGS "${DISTRIBUTED_FLAGS[@]}" ${EXTRA_TRAIN_FLAGS:-} >> "$dir/train.log" 2>&1 \
         || { tail -20 "$dir/train.log" >&2; die "fairseq-train failed (log: $dir/train.log)"; }
     [ -f "$dir/checkpoints.tmp/checkpoint_best.pt" ] || die "no checkpoint_best.pt after training (log: $dir/train.log)"
     { grep -o "[0-9,]* samples have invalid sizes and will be skipped.*" "$dir/train.log" || true; } | sort -u \
@@ -344,16 +355,16 @@ train_arm() {
 
 # Translate the test set with the best checkpoint (beam 4), undo sentencepiece: DIR/test.hyp.
 generate_arm() {
-    local dir=$1 n_hyp n_src
+    local dir=$1 n_hyp n_src status=0 skipped
     run_logged fairseq-generate "$WORK/bin" --user-dir "$USER_DIR" --path "$dir/checkpoints/checkpoint_best.pt" \
         --source-lang "$SRC" --target-lang "$TGT" --gen-subset test \
         --beam "$BEAM" --lenpen "$LENPEN" --max-len-a 1 --max-len-b "$MAX_LEN_B" --batch-size 64 --required-batch-size-multiple 1 \
-        --skip-invalid-size-inputs-valid-test $DEVICE_FLAGS > "$dir/generate.out" 2> "$dir/generate.log" \
-        || { tail -20 "$dir/generate.log" >&2; die "fairseq-generate failed (log: $dir/generate.log)"; }
+        --skip-invalid-size-inputs-valid-test $DEVICE_FLAGS > "$dir/generate.out" 2> "$dir/generate.log" || status=$?
     # A test pair longer than the model allows (either side) is never dropped from the scored test set:
-    # fairseq skips it (--skip-invalid-size-inputs-valid-test, instead of a traceback) and the recipe stops.
-    local skipped
+    # fairseq skips it (--skip-invalid-size-inputs-valid-test, instead of a traceback) and the recipe
+    # stops, also when fairseq-generate then fails (it divides by zero when it skipped every sentence).
     skipped=$(grep -o "[0-9,]* samples have invalid sizes.*" "$dir/generate.log" | head -1 || true)
+    [ "$status" = 0 ] || [ -n "$skipped" ] || { tail -20 "$dir/generate.log" >&2; die "fairseq-generate failed (log: $dir/generate.log)"; }
     [ -z "$skipped" ] || die "$dir: test sentences longer than the model allows ($skipped; ids count lines from 0): a test set is never cut; train with larger --max-source-positions/--max-target-positions (EXTRA_TRAIN_FLAGS) or split those lines"
     grep '^H-' "$dir/generate.out" | sed 's/^H-//' | sort -n -k1,1 | cut -f3 > "$dir/test.sp.hyp"
     n_hyp=$(wc -l < "$dir/test.sp.hyp"); n_src=$(wc -l < "$WORK/raw/test.$SRC")

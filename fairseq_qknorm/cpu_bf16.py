@@ -4,7 +4,7 @@ fairseq 0.12 reads --bf16 as a TPU run (options.py sets --tpu whenever --bf16 is
 machine without torch_xla fairseq-train dies looking for an XLA device. With --cpu there is no TPU
 to mean, so the flag is cleared before training starts; fairseq's own bf16 path (the model cast to
 bfloat16, float32 master weights in its FP16Optimizer, batches cast) then runs as it is.
-The one change to fairseq this plugin makes, and only for that combination of flags.
+Only that combination of flags is touched.
 """
 import logging
 

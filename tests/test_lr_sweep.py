@@ -81,7 +81,7 @@ def test_g_is_recorded_for_qknorm_only(sweep):
             continue
         assert r["qk_scale_init"] == pytest.approx(g0)
         first, last = r["stats"][0]["g"], r["stats"][-1]["g"]
-        assert list(first) == MODULES and all(g == pytest.approx(g0) for g in first.values())
+        assert sorted(first) == sorted(MODULES) and all(g == pytest.approx(g0) for g in first.values())
         assert any(last[m] != first[m] for m in MODULES)  # g is learned, and recorded as it moves
         for s in r["stats"]:
             # unit q and k: no logit can exceed g
