@@ -58,5 +58,7 @@ def test_bf16_model_stays_close_to_float32_with_padding_and_in_beam_search(train
 
     hyps32, hyps16 = beam(model), beam(half)
     assert all(torch.isfinite(h["score"]) for h in hyps16)
-    same = sum(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(hyps32, hyps16))
-    assert same >= 0.75 * len(hyps32), f"{same} of {len(hyps32)} beam outputs identical"
+    # The tiny model has near-ties between hypotheses, which bf16 rounding may flip: compare the
+    # scores (mean log-probability per token) of the best hypotheses, not their tokens.
+    gap = torch.stack([(a["score"] - b["score"]).abs() for a, b in zip(hyps32, hyps16)])
+    assert gap.mean() < 0.05, gap
