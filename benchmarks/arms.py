@@ -30,6 +30,11 @@ SIZES = {
 # arm -> (--arch, the arm's own flags)
 ARMS = {
     "stock": ("transformer", {}),
+    # Generation only: fairseq's transformer with the beamable cross attention (one copy of the
+    # encoder's keys and values per sentence) that SequenceGenerator switches on for
+    # transformer_qknorm but not for fairseq's transformer, which lacks set_beam_size. The
+    # like-for-like reference for what QK-norm itself costs in beam search.
+    "stock_beamable": ("transformer", {}),
     "qknorm": ("transformer_qknorm", {"qk_norm": "l2", "qk_scale": "learned"}),
     "qknorm_layernorm": ("transformer_qknorm", {"qk_norm": "layernorm", "qk_scale": "none"}),
     "qknorm_rmsnorm": ("transformer_qknorm", {"qk_norm": "rmsnorm", "qk_scale": "none"}),

@@ -89,7 +89,10 @@ class GenerateBench:
         dictionary = task.target_dictionary
         self.generator = SequenceGenerator([self.model], dictionary, beam_size=beam, max_len_a=0,
                                            max_len_b=self.length, min_len=self.length)
-        self.info = {"units": 1, "sentences": len(data), "beam": beam, "length": self.length,
+        if job["arm"] == "stock_beamable":
+            self.model.decoder.set_beam_size(beam)
+        beamable = any(getattr(m, "beam_size", 1) > 1 for m in self.model.modules())
+        self.info = {"units": 1, "sentences": len(data), "beam": beam, "length": self.length, "beamable": beamable,
                      "parameters": sum(p.numel() for p in self.model.parameters())}
         # Warm-up: every code path of a generation, for two steps only.
         warm = SequenceGenerator([self.model], dictionary, beam_size=beam, max_len_a=0, max_len_b=2, min_len=2)

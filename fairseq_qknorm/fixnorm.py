@@ -30,6 +30,13 @@ class UnitNormOutputProjection(nn.Module):
         self._unit_weight, self._unit_weight_of = None, None
 
     def forward(self, features):
+        # As rows: the decoder's (batch, time, dim) is a transposed view, and when its strides do
+        # not fold into a matrix (they do not after ScaleNorm at time 1), matmul falls back to a
+        # bmm against batch copies of the vocabulary matrix: 15 ms against 3.5 ms a step (measured).
+        rows = features.reshape(-1, features.size(-1))
+        return self._project(rows).view(*features.shape[:-1], -1)
+
+    def _project(self, features):
         if torch.is_grad_enabled():
             return F.linear(features, F.normalize(self.weight, dim=-1))
         # Inference (beam search calls this once per step): normalize the matrix once per version

@@ -156,9 +156,11 @@ class QKNormAttention(MultiheadAttention):
         else:
             if self.self_attention:
                 key = value = query
-            elif self.encoder_decoder_attention and self.beam_size > 1 and key.size(1) == bsz:
+            elif saved is not None and self.encoder_decoder_attention and self.beam_size > 1 and key.size(1) == bsz:
                 # Beamable cross attention, as in fairseq: every hypothesis of one sentence shares
-                # the encoder output, so keep one copy per sentence.
+                # the encoder output, so keep one copy per sentence. Only while decoding step by
+                # step: beam_size stays set after a validation's beam search, and a training
+                # batch is not made of beams.
                 key = value = key[:, :: self.beam_size]
                 if key_padding_mask is not None:
                     key_padding_mask = key_padding_mask[:: self.beam_size]

@@ -66,6 +66,12 @@ class TransformerQKNormModel(TransformerModel):
             args = argparse.Namespace(**OmegaConf.to_container(args, resolve=True))
         return super().build_model(args, task)
 
+    def set_beam_size(self, beam_size):
+        """fairseq's SequenceGenerator calls this on models that have it (fairseq's transformer has
+        not): cross attention then projects and caches the encoder output once per sentence
+        instead of once per hypothesis, and beam reordering leaves that cache alone."""
+        self.decoder.set_beam_size(beam_size)
+
     def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
         qk_params = (".qk_scale.", ".q_norm.", ".k_norm.")
         missing = [k for k in self.state_dict() if any(p in k for p in qk_params) and k not in state_dict]

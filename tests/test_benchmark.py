@@ -16,6 +16,7 @@ from benchmarks import report  # noqa: E402
 from benchmarks.run import update_markdown  # noqa: E402
 
 MODEL_ARMS = ["stock", "qknorm", "qknorm_layernorm", "qknorm_rmsnorm", "scalenorm_paper"]
+GENERATE_ARMS = ["stock", "stock_beamable", "qknorm", "qknorm_layernorm", "qknorm_rmsnorm", "scalenorm_paper"]
 ATTENTION_ARMS = ["stock", "qknorm", "qknorm_plain", "qknorm_layernorm", "qknorm_rmsnorm"]
 
 
@@ -48,9 +49,9 @@ def test_quick_run_measures_every_arm(quick):
     result, _, _ = quick
     groups = {g["benchmark"]: g for g in result["groups"]}
     assert set(groups) == {"train", "generate", "attention"}
-    for name in ("train", "generate"):
+    for name, expected_arms in (("train", MODEL_ARMS), ("generate", GENERATE_ARMS)):
         arms = groups[name]["arms"]
-        assert list(arms) == MODEL_ARMS
+        assert list(arms) == expected_arms
         for arm in arms.values():
             values = next(iter(arm["metrics"].values()))
             assert len(values) == result["settings"]["repeats"] == 1 and values[0] > 0
@@ -63,6 +64,9 @@ def test_quick_run_measures_every_arm(quick):
     info = gen["stock"]["info"]
     expected = info["sentences"] * (info["length"] + 1)
     assert all(a["metrics"]["output_tokens"] == [expected] for a in gen.values())
+    # SequenceGenerator switches beamable cross attention on for the plugin's model, not for
+    # fairseq's transformer; stock_beamable switches it on by hand.
+    assert {n for n, a in gen.items() if a["info"]["beamable"]} == set(GENERATE_ARMS) - {"stock"}
     cases = groups["attention"]["cases"]
     assert len(cases) == 2 * len(result["settings"]["attention_lengths"]) + 2
     assert all(list(times) == ATTENTION_ARMS for times in cases.values())
@@ -174,6 +178,15 @@ def test_targets_use_the_median_of_the_per_pair_ratios():
         "attention glen fp32 self T=64 fwd+bwd: qknorm_plain / qknorm time": (2.0, True),  # T=16: no target
     }
     assert report.pair_ratios([2, 3], [4, 6]) == [0.5, 0.5]
+
+
+def test_generation_targets_include_the_like_for_like_ratio():
+    speed = lambda values: {"metrics": {"sentences_per_s": values}, "peak_rss_mb": 100, "info": {}}
+    arms = {"stock": speed([1.0, 1.0]), "stock_beamable": speed([2.0, 2.0]), "qknorm": speed([1.9, 1.9])}
+    checks = {what: (round(value, 3), ok) for what, value, _, ok in
+              report.targets([{"benchmark": "generate", "size": "small", "dtype": "fp32", "arms": arms}])}
+    assert checks["generate small fp32: sentences_per_s qknorm / stock"] == (1.9, True)
+    assert checks["generate small fp32: sentences_per_s qknorm / stock_beamable (like for like)"] == (0.95, False)
 
 
 def test_update_markdown_replaces_only_its_own_device(tmp_path):
