@@ -39,11 +39,17 @@ class ScaledUnitNorm(torch.autograd.Function):
     EPS = 1e-6
 
     @staticmethod
-    def forward(ctx, x: Tensor, g: Optional[Tensor]) -> Tensor:
+    def values(x: Tensor, g: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+        """(y, 1/||x||), without autograd: what beam search calls, three times per layer and step."""
         acc = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 for float64
         inv_norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=acc)
-        inv_norm = inv_norm.clamp_min(ScaledUnitNorm.EPS).reciprocal()
+        inv_norm = inv_norm.clamp_min_(ScaledUnitNorm.EPS).reciprocal_()
         y = (x.to(acc) * (inv_norm if g is None else inv_norm * g)).to(x.dtype)
+        return y, inv_norm
+
+    @staticmethod
+    def forward(ctx, x: Tensor, g: Optional[Tensor]) -> Tensor:
+        y, inv_norm = ScaledUnitNorm.values(x, g)
         ctx.save_for_backward(y, inv_norm, g)
         return y
 
@@ -120,7 +126,8 @@ class QKNormAttention(MultiheadAttention):
         scale is a Python float, g a tensor."""
         scale = self.qk_scale if which == "q" else None
         if self.qk_norm == "l2":
-            return ScaledUnitNorm.apply(x, None if scale is None else scale.g)
+            g = None if scale is None else scale.g
+            return ScaledUnitNorm.apply(x, g) if torch.is_grad_enabled() else ScaledUnitNorm.values(x, g)[0]
         if self.qk_norm != "none":
             x = getattr(self, which + "_norm")(x)
         return x if scale is None else scale(x)
@@ -194,7 +201,9 @@ class QKNormAttention(MultiheadAttention):
         if not (need_weights or before_softmax or incremental_state is not None):
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
         else:
-            scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+            scores = torch.matmul(q, k.transpose(-1, -2))
+            if scale != 1.0:  # with g, g is in q already
+                scores = scores * scale
             if mask is not None:
                 scores = scores + mask
             if before_softmax:
