@@ -137,9 +137,12 @@ def run_group(ctx, benchmark, size, dtype, arms, job_base, repeats):
         rounds = {name: [] for name in names}
         for r in range(repeats):
             parts = {name: [] for name in names}
+            # A B C, then B C A, ...: batch by batch, each arm in every position of the order
+            # (measured: the arm that ran right after another could be 5% slower on 2 cores).
+            order = names[r % len(names):] + names[: r % len(names)]
             for unit in range(n_units):
-                for name, w in workers.items():  # A B C ... A B C ..., batch by batch
-                    parts[name].append(w.measure(unit))
+                for name in order:
+                    parts[name].append(workers[name].measure(unit))
             for name in names:
                 rounds[name].append(parts[name] if benchmark == "attention" else round_metrics(benchmark, parts[name]))
             log(f"{label}: round {r + 1}/{repeats} " + " ".join(
