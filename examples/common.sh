@@ -108,8 +108,15 @@ step() {
     [ "$1" = train_arm ] && settings+=" $MODEL_FLAGS $MAX_TOKENS $WARMUP $MAX_UPDATE $STOP_HOURS $VALID_EPOCHS $VALID_UPDATES $LR $STOP_MIN_LR ${EXTRA_TRAIN_FLAGS:-}"
     # A process count other than 1 batches differently; 1 adds nothing, so older stamps stay valid.
     [ "$1" = train_arm ] && [ "${NPROC:-1}" != 1 ] && settings+=" NPROC=$NPROC"
-    local signature
+    local signature lock
     signature=$(printf '%s\n' "${SIGNATURES[$after]:-}" "$*" "$settings" | sha1sum | cut -c1-16)
+    # Two runs on one WORK (say, one per arm or seed) must not do a step at the same time: measured,
+    # two fairseq-preprocess into one folder break each other. The second waits, then finds the step
+    # done. The lock goes with its process, also on kill -9. (No flock, as on macOS: no lock.)
+    if command -v flock > /dev/null; then
+        exec {lock}> "$stamp.lock"
+        flock -n "$lock" || { log "$name: another run of this WORK is doing it, waiting"; flock "$lock"; }
+    fi
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$signature" ]; then
         log "$name: done before, skipped (delete $stamp to redo)"
     else
@@ -118,6 +125,7 @@ step() {
         STEP_SIGNATURE=$signature "$@"
         echo "$signature" > "$stamp.tmp" && mv "$stamp.tmp" "$stamp"
     fi
+    [ -n "${lock:-}" ] && exec {lock}>&-
     SIGNATURES[$name]=$signature
 }
 

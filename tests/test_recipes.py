@@ -89,3 +89,18 @@ def test_bad_settings_fail_with_one_clear_line(tmp_path, toy_raw):
     assert proc.returncode != 0 and "missing or empty train.gl" in proc.stderr
     proc = recipe([ROOT / "examples" / "ted" / "ablation.sh", "no-such", "toy"], tmp_path, toy_raw)
     assert proc.returncode != 0 and "error: unknown ablation 'no-such'" in proc.stderr
+
+
+def test_two_runs_on_one_work_do_a_step_once(tmp_path):
+    """Two recipe runs sharing WORK (one per arm, say): the second waits for a step the first is
+    doing, then skips it, instead of running it into the same files at the same time."""
+    script = ('source examples/common.sh; set_pair toy; set_preset smoke; mkdir -p "$WORK/stamps"; '
+              'slow() { echo start >> "$WORK/calls"; sleep 2; echo end >> "$WORK/calls"; }; step demo - slow')
+    env = dict(os.environ, WORK=str(tmp_path))
+    runs = [subprocess.Popen(["bash", "-c", script], stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+            for _ in range(2)]
+    logs = [p.communicate()[1] for p in runs]
+    assert [p.returncode for p in runs] == [0, 0], logs
+    assert (tmp_path / "calls").read_text() == "start\nend\n"
+    assert sum("demo: done before, skipped" in log for log in logs) == 1
+    assert sum("another run of this WORK is doing it, waiting" in log for log in logs) == 1
