@@ -137,8 +137,8 @@ def run_group(ctx, benchmark, size, dtype, arms, job_base, repeats):
         rounds = {name: [] for name in names}
         for r in range(repeats):
             parts = {name: [] for name in names}
-            # A B C, then B C A, ...: batch by batch, each arm in every position of the order
-            # (measured: the arm that ran right after another could be 5% slower on 2 cores).
+            # A B C, then B C A, ...: batch by batch, each arm in every position of the order, so
+            # that an effect of running right after a given arm cannot favour one arm.
             order = names[r % len(names):] + names[: r % len(names)]
             for unit in range(n_units):
                 for name in order:
