@@ -114,3 +114,24 @@ def g_history(path, title, updates, series, g0, reference_range):
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", ncol=2 if len(labelled) > 8 else 1)
     return _save(fig, path)
+
+
+def dev_curves(path, title, runs):
+    """runs: [(label, dashed, [(updates, dev loss, dev BLEU)])]: dev loss and dev BLEU side by side.
+    Labels that agree up to their first comma ("baseline, run 2") share a colour."""
+    fig = _figure(10, 4)
+    loss_ax, bleu_ax = fig.subplots(1, 2)
+    colors = {}
+    for label, dashed, rows in runs:
+        updates = [r[0] for r in rows]
+        color = colors.setdefault(label.split(",")[0], f"C{len(colors)}")
+        style = dict(linestyle="--" if dashed else "-", marker="o", markersize=3, color=color)
+        loss_ax.plot(updates, [r[1] for r in rows], label=label, **style)
+        bleu_ax.plot(updates, [r[2] for r in rows], **style)
+    loss_ax.set(xlabel="training updates", ylabel="dev loss (bits per token, label-smoothed)")
+    bleu_ax.set(xlabel="training updates", ylabel="dev BLEU (--eval-bleu, beam 4)")
+    for ax in (loss_ax, bleu_ax):
+        ax.grid(alpha=0.3)
+    loss_ax.legend(fontsize="small")
+    fig.suptitle(_wrap(title, 10))
+    return _save(fig, path)
