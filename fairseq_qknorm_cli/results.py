@@ -44,6 +44,18 @@ def _read_json(path):
         _fail(f"{path}: not valid JSON ({e.msg} at line {e.lineno})")
 
 
+def parse_valid_line(line):
+    """(updates, dev loss or None, dev BLEU) from fairseq-train's `valid` line with --eval-bleu, else None."""
+    if "valid on 'valid' subset" not in line:
+        return None
+    bleu = re.search(r"\| bleu ([\d.]+)", line)
+    updates = re.search(r"\| num_updates (\d+)", line)
+    if not (bleu and updates):
+        return None
+    loss = re.search(r"\| loss ([\d.]+)", line)
+    return int(updates.group(1)), float(loss.group(1)) if loss else None, float(bleu.group(1))
+
+
 def parse_train_log(path):
     """What fairseq-train's simple-format log says: parameters, updates, dev BLEU per validation."""
     out = {"params": None, "updates": None, "dev_bleu": [], "best_dev_bleu": None, "stopped_by": None}
@@ -52,12 +64,10 @@ def parse_train_log(path):
             m = re.search(r"num\. (?:shared )?model params: ([\d,]+)", line)
             if m:
                 out["params"] = int(m.group(1).replace(",", ""))
-            if "valid on 'valid' subset" in line:
-                bleu = re.search(r"\| bleu ([\d.]+)", line)
-                updates = re.search(r"\| num_updates (\d+)", line)
-                if bleu and updates:
-                    out["dev_bleu"].append([int(updates.group(1)), float(bleu.group(1))])
-                    out["best_dev_bleu"] = max(b for _, b in out["dev_bleu"])
+            valid = parse_valid_line(line)
+            if valid:
+                out["dev_bleu"].append([valid[0], valid[2]])
+                out["best_dev_bleu"] = max(b for _, b in out["dev_bleu"])
             m = re.search(r"num_updates[ =](\d+)", line)
             if m:
                 out["updates"] = int(m.group(1))

@@ -5,10 +5,9 @@
 A label ending in "(dashed)" is drawn dashed: an earlier run beside the current one.
 """
 import argparse
-import re
 import sys
 
-VALID = re.compile(r"\| valid on 'valid' subset \| loss ([\d.]+) .*?\| bleu ([\d.]+) .*?\| num_updates (\d+)")
+from fairseq_qknorm_cli.results import parse_valid_line
 
 
 def read_valid(path):
@@ -16,9 +15,9 @@ def read_valid(path):
     rows = []
     with open(path, encoding="utf-8") as f:
         for line in f:
-            m = VALID.search(line)
-            if m:
-                rows.append((int(m.group(3)), float(m.group(1)), float(m.group(2))))
+            valid = parse_valid_line(line)
+            if valid and valid[1] is not None:
+                rows.append(valid)
     if not rows:
         sys.exit(f"error: {path}: no 'valid on' lines with a bleu (was it trained with --eval-bleu?)")
     return rows
