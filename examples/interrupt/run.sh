@@ -13,10 +13,12 @@
 # checkpoint file checked complete after the kill; dev BLEU and weights of both runs at the end.
 #
 #   examples/interrupt/run.sh              the experiment (PRESET=toy, WORK=work/interrupt-PRESET)
-#   examples/interrupt/run.sh train NAME   one arm, WORK/arms/NAME-seed1, through the recipe's steps:
-#                                          the command that is killed and rerun
+#   examples/interrupt/run.sh train NAME [SEED]  one arm, WORK/arms/NAME-seedSEED (default 1), through
+#                                          the recipe's steps: the command that is killed and rerun
 #   examples/interrupt/run.sh report       WORK/interrupt.{md,json} again, from a finished experiment
-# Settings (environment): PRESET (default toy), KILL_AFTER (default: one and a half epochs, from the
+# Settings (environment): PRESET (default toy), REFERENCE_SEEDS (default 1: the seeds trained
+# uninterrupted; seed 1 is the one interrupted, the others say how far dev BLEU moves between seeds,
+# i.e. what "within noise" means), KILL_AFTER (default: one and a half epochs, from the
 # uninterrupted run), DATA_DIR, and the preset's values (MAX_UPDATE, EXTRA_TRAIN_FLAGS, ...) as for
 # examples/ted/run.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
@@ -27,11 +29,14 @@ WORK=${WORK:-$ROOT/work/interrupt-$PRESET}
 export LOG_INTERVAL=${LOG_INTERVAL:-1}  # every update in the log: where each kill landed
 SELF=$ROOT/examples/interrupt/run.sh
 FAULTS=$ROOT/tests/fault_injection
+REFERENCE_SEEDS=${REFERENCE_SEEDS:-1}
+[[ " $REFERENCE_SEEDS " == *" 1 "* ]] || die "REFERENCE_SEEDS='$REFERENCE_SEEDS': expected seeds that include 1 (the interrupted run's seed)"
 
 train_one() {
     setup_work
     prepare
-    step "$1.seed1.train" binarize train_arm "$WORK/arms/$1-seed1" "$QKNORM_ARCH"
+    local seed=${2:-1}
+    step "$1.seed$seed.train" binarize train_arm "$WORK/arms/$1-seed$seed" "$QKNORM_ARCH"
 }
 
 # After attempt N: its exit status, its part of train.log (the recipe appends when it resumes and
@@ -98,6 +103,9 @@ experiment() {
     echo $((SECONDS - start)) > "$WORK/uninterrupted.seconds"
     epoch=$(grep -om1 "epoch 001: *[0-9]* / *[0-9]*" "$WORK/arms/uninterrupted-seed1/train.log" | grep -o "[0-9]*$")
     KILL_AFTER=${KILL_AFTER:-$((epoch + epoch / 2))}
+    for seed in $REFERENCE_SEEDS; do
+        [ "$seed" = 1 ] || bash "$SELF" train uninterrupted "$seed"
+    done
     rm -rf "$WORK/attempts" "$WORK/arms/interrupted-seed1" "$WORK/stamps/interrupted.seed1.train"
     mkdir -p "$WORK/attempts"
     : > "$WORK/attempts/all.log"
@@ -164,16 +172,19 @@ for n in (1, 2, 3, 4):
     attempts.append(entry)
 
 runs = {}
-for name in ("uninterrupted", "interrupted"):
-    arm = work / f"arms/{name}-seed1"
+references = sorted(work.glob("arms/uninterrupted-seed*"), key=lambda d: int(d.name.rsplit("seed", 1)[1]))
+for arm in [*references, work / "arms/interrupted-seed1"]:
     text = (arm / "train.log").read_text()
     dev = validations(text)
-    runs[name] = {"final_updates": parse(text)["last_logged_updates"], "dev_bleu_final": dev[-1][1],
-                  "dev_bleu_best": max(b for _, b in dev), "dev_bleu": dev,
-                  "seconds": int((work / f"{name}.seconds").read_text())}
-states = [torch.load(work / f"arms/{name}-seed1/checkpoints/checkpoint_last.pt")["model"] for name in runs]
+    seconds = work / f"{arm.name.split('-')[0]}.seconds"
+    runs[arm.name] = {"final_updates": parse(text)["last_logged_updates"], "dev_bleu_final": dev[-1][1],
+                      "dev_bleu_best": max(b for _, b in dev), "dev_bleu": dev,
+                      "seconds": int(seconds.read_text()) if arm.name.endswith("seed1") else None}
+states = [torch.load(work / f"arms/{name}-seed1/checkpoints/checkpoint_last.pt")["model"] for name in ("uninterrupted", "interrupted")]
 max_diff = max((states[0][k].float() - states[1][k].float()).abs().max().item() for k in states[0])
-result = {"attempts": attempts, "runs": runs, "max_abs_weight_difference": max_diff, "kill_after": kill_after}
+reference_bleu = [runs[d.name]["dev_bleu_final"] for d in references]
+result = {"attempts": attempts, "runs": runs, "max_abs_weight_difference": max_diff, "kill_after": kill_after,
+          "uninterrupted_final_dev_bleu_range": [min(reference_bleu), max(reference_bleu)]}
 (work / "interrupt.json").write_text(json.dumps(result, indent=1) + "\n")
 
 md = ["| attempt | fault | exit | resumed from | updates lost | log reached | files after (final names) |", "|---|---|---|---|---|---|---|"]
@@ -184,16 +195,17 @@ for a in attempts:
     md.append(f"| {a['attempt']} | {a['fault']} | {a['rc']} | {resumed} | {a.get('updates_lost', '-')} | {a['last_logged_updates']} | {files} |")
 md += ["", "| run | updates | final dev BLEU | best dev BLEU | wall (s) |", "|---|---|---|---|---|"]
 for name, r in runs.items():
-    md.append(f"| {name} | {r['final_updates']} | {r['dev_bleu_final']:.2f} | {r['dev_bleu_best']:.2f} | {r['seconds']} |")
-md += ["", f"max |weight difference| between the two final checkpoints: {max_diff:.3g}"]
+    md.append(f"| {name} | {r['final_updates']} | {r['dev_bleu_final']:.2f} | {r['dev_bleu_best']:.2f} | {r['seconds'] if r['seconds'] is not None else '-'} |")
+md += ["", f"final dev BLEU of the {len(references)} uninterrupted seed(s): {min(reference_bleu):.2f} to {max(reference_bleu):.2f}",
+       f"max |weight difference| between the two seed-1 final checkpoints: {max_diff:.3g}"]
 (work / "interrupt.md").write_text("\n".join(md) + "\n")
 print("\n".join(md))
 PY
 }
 
 case "${1:-}" in
-    train) [ $# -eq 2 ] || die "usage: examples/interrupt/run.sh train NAME"; train_one "$2" ;;
+    train) [ $# -eq 2 ] || [ $# -eq 3 ] || die "usage: examples/interrupt/run.sh train NAME [SEED]"; train_one "$2" "${3:-1}" ;;
     "") experiment ;;
     report) report ;;
-    *) die "usage: examples/interrupt/run.sh [train NAME | report]" ;;
+    *) die "usage: examples/interrupt/run.sh [train NAME [SEED] | report]" ;;
 esac
