@@ -289,12 +289,31 @@ def markdown_table(runs):
     return "\n".join(lines)
 
 
+def seed_table(runs):
+    """One row per arm and learning rate over its seeds: the mean final loss and the seeds' range
+    (how far one seed is from another says what a difference between arms is worth), how many seeds
+    diverged, and the attention extremes over all of them."""
+    rows = [summarize(r) for r in runs]
+    lines = ["| arm | peak lr | seeds | final loss, mean (min..max) | diverged | max logit | min entropy |",
+             "|" + "---|" * 7]
+    for arm in ARMS:
+        for lr in sorted({r["lr"] for r in rows if r["arm"] == arm}):
+            group = [r for r in rows if r["arm"] == arm and r["lr"] == lr]
+            final = _finite(r["final"] for r in group)
+            loss = f"{sum(final) / len(final):.3f} ({min(final):.3f}..{max(final):.3f})" if final else "nan"
+            lines.append(f"| {arm} | {lr:g} | {len(group)} | {loss} | {sum(bool(r['diverged']) for r in group)} | "
+                         f"{_fmt(max(_finite(r['max_logit'] for r in group), default=math.nan), '.2f')} | "
+                         f"{_fmt(min(_finite(r['min_entropy'] for r in group), default=math.nan), '.3f')} |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------
 # Figures (matplotlib without pyplot: no display, no global state)
 # ---------------------------------------------------------------------------------------------
 def plot_against_lr(runs, path, value, ylabel, title, log_y=False):
-    """One line per arm (mean over seeds) of value(row) against the peak learning rate; a diverged
-    run is marked with an x, drawn at the top of the plot when its value is not a number."""
+    """One line per arm (mean over seeds) of value(row) against the peak learning rate, shaded over
+    the seeds' range when there are several; a diverged run is marked with an x, drawn at the top of
+    the plot when its value is not a number."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7.5, 4.8), dpi=100, layout="constrained")
@@ -305,15 +324,19 @@ def plot_against_lr(runs, path, value, ylabel, title, log_y=False):
     for i, arm in enumerate(a for a in ARMS if any(r["arm"] == a for r in rows)):
         color = f"C{i}"
         lrs = sorted({r["lr"] for r in rows if r["arm"] == arm})
-        ys, x_div, y_div = [], [], []
+        ys, lo, hi, x_div, y_div = [], [], [], [], []
         for lr in lrs:
             vals = [value(r) for r in rows if r["arm"] == arm and r["lr"] == lr]
             ok = _finite(vals)
             ys.append(sum(ok) / len(ok) if ok else top)
+            lo.append(min(ok, default=top))
+            hi.append(max(ok, default=top))
             if any(r["diverged"] for r in rows if r["arm"] == arm and r["lr"] == lr):
                 x_div.append(lr)
                 y_div.append(ys[-1])
         ax.plot(lrs, ys, "o-", color=color, label=arm)
+        if lo != hi:
+            ax.fill_between(lrs, lo, hi, color=color, alpha=0.15, linewidth=0)
         ax.plot(x_div, y_div, "x", color="black", markersize=11, markeredgewidth=2)
     ax.plot([], [], "x", color="black", markersize=9, markeredgewidth=2, label="diverged (stopped there)")
     ax.set_xscale("log")
@@ -330,12 +353,14 @@ def plot_against_lr(runs, path, value, ylabel, title, log_y=False):
 
 
 def write_figures(runs, out_dir, updates):
+    seeds = len({r["seed"] for r in runs})
+    over_seeds = f" ({seeds} seeds: mean, shaded min..max)" if seeds > 1 else ""
     plot_against_lr(runs, out_dir / "final_loss_vs_lr.png", lambda r: r["final"],
                     f"training loss, mean of the last {WINDOW} updates (bits/token)",
-                    f"Final loss after {updates} updates vs peak learning rate")
+                    f"Final loss after {updates} updates vs peak learning rate{over_seeds}")
     plot_against_lr(runs, out_dir / "max_logit_vs_lr.png", lambda r: r["max_logit"],
                     "largest pre-softmax attention logit (any module, any snapshot)",
-                    "Attention logit growth vs peak learning rate", log_y=True)
+                    f"Attention logit growth vs peak learning rate{over_seeds}", log_y=True)
 
 
 def write_json(path, data):
@@ -476,6 +501,9 @@ def main(argv=None):
     write_json(results_path, {**header, "runs": runs})
     write_figures(runs, args.out_dir, args.updates)
     print(markdown_table(runs))
+    if len({r["seed"] for r in runs}) > 1:
+        print()
+        print(seed_table(runs))
     log(f"wrote {results_path}, {args.out_dir / 'final_loss_vs_lr.png'}, {args.out_dir / 'max_logit_vs_lr.png'}")
 
 

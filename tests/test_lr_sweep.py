@@ -10,7 +10,7 @@ import pytest
 from conftest import run
 
 from fairseq_qknorm.qknorm_attention import g0_for_length
-from fairseq_qknorm_cli.lr_sweep import WINDOW, divergence, loss_summary
+from fairseq_qknorm_cli.lr_sweep import WINDOW, divergence, loss_summary, seed_table
 
 SWEEP = [sys.executable, "-m", "fairseq_qknorm_cli.lr_sweep"]
 TINY = ["--lrs", "1e-3", "3e-3", "--updates", "5", "--warmup-updates", "2", "--stats-interval", "2",
@@ -36,6 +36,21 @@ def test_divergence_rule_flags_non_finite_and_rising_losses():
     assert "above" in divergence(rising)
     # A run that came back down below its start by the end of the window is not diverged.
     assert divergence(falling[:WINDOW] + [falling[0] + 1] + [falling[-1]] * (WINDOW - 1)) is None
+
+
+def test_seed_table_gives_each_arm_and_rate_its_mean_range_and_divergences():
+    def fake_run(arm, lr, seed, final, diverged=None, logit=5.0):
+        stats = [{"max_logit": {"m": logit}, "min_entropy": {"m": 0.1 * seed}, "g": {}}]
+        return {"arm": arm, "lr": lr, "seed": seed, "loss": [9.0] * WINDOW + [final] * WINDOW,
+                "diverged": diverged, "stats": stats}
+
+    runs = [fake_run("qknorm", 0.01, 1, 2.0), fake_run("qknorm", 0.01, 2, 3.0, logit=9.0),
+            fake_run("qknorm", 0.01, 3, 4.0, diverged="loss above its start"),
+            fake_run("stock", 0.01, 1, float("nan"), diverged="non-finite loss at update 3", logit=float("inf")),
+            fake_run("stock", 0.01, 2, 5.0)]
+    rows = seed_table(runs).splitlines()[2:]
+    assert rows == ["| stock | 0.01 | 2 | 5.000 (5.000..5.000) | 1 | 5.00 | 0.100 |",  # the NaN run: counted, not averaged
+                    "| qknorm | 0.01 | 3 | 3.000 (2.000..4.000) | 1 | 9.00 | 0.100 |"]
 
 
 @pytest.fixture(scope="module")
