@@ -71,9 +71,10 @@ def toy_bin(toy_raw, tmp_path_factory):
     return d
 
 
-def train(data_bin, save_dir, arch="transformer_qknorm", extra=(), max_update=40, model=TINY_MODEL, **kwargs):
+def train(data_bin, save_dir, arch="transformer_qknorm", extra=(), max_update=40, model=TINY_MODEL, cpu=True, **kwargs):
+    flags = TRAIN_FLAGS if cpu else [f for f in TRAIN_FLAGS if f != "--cpu"]
     return run([tool("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--arch", arch, *model,
-                *TRAIN_FLAGS, "--max-update", str(max_update), "--save-dir", save_dir, *extra], **kwargs)
+                *flags, "--max-update", str(max_update), "--save-dir", save_dir, *extra], **kwargs)
 
 
 @pytest.fixture(scope="session")
