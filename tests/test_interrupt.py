@@ -32,7 +32,7 @@ def experiment(toy_raw, tmp_path_factory):
 
 
 def attempt(work, n):
-    return int((work / "attempts" / f"{n}.rc").read_text()), (work / "attempts" / f"{n}.log").read_text()
+    return int((work / "attempts" / "seed1" / f"{n}.rc").read_text()), (work / "attempts" / "seed1" / f"{n}.log").read_text()
 
 
 def updates_logged(log):
@@ -84,7 +84,7 @@ def check_resumed(work, n, fresh=False):
 
 def files_after(work, n):
     """{checkpoint file: "complete" | "truncated"} after attempt n."""
-    lines = (work / "attempts" / f"{n}.files").read_text().splitlines()
+    lines = (work / "attempts" / "seed1" / f"{n}.files").read_text().splitlines()
     return {name: state for name, _, state in (line.split() for line in lines)}
 
 

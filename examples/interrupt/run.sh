@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Interrupted training, measured. One recipe arm (QKNorm, the toy pair) is trained twice through the
-# recipe's own steps (examples/common.sh), on the same data and seed: once straight through, and once
-# killed three times, rerunning the same command after each kill:
+# Interrupted training, measured. One recipe arm (QKNorm, the toy pair) is trained twice per seed
+# through the recipe's own steps (examples/common.sh), on the same data: once straight through, and
+# once killed three times, rerunning the same command after each kill:
 #   attempt 1: kill -9 half-way through fairseq's copy of a checkpoint to its other name, at the
 #              first save that has one (checkpoint_best.pt -> checkpoint_last.pt: the first
 #              validation; a fresh run always has a best checkpoint then);
@@ -10,15 +10,15 @@
 #   attempt 4: no fault: runs to the end.
 # Attempts 1 and 3 are injected deterministically (tests/fault_injection/sitecustomize.py). Writes
 # WORK/interrupt.{md,json}: per attempt the checkpoint it resumed from, the updates lost, every
-# checkpoint file checked complete after the kill; dev BLEU and weights of both runs at the end.
+# checkpoint file checked complete after the kill; dev BLEU and weights of both runs at the end, and
+# over several seeds, the interrupted-minus-uninterrupted dev BLEU against the spread between seeds
+# (what "within noise" means). A seed whose attempts are all recorded is skipped on a rerun.
 #
 #   examples/interrupt/run.sh              the experiment (PRESET=toy, WORK=work/interrupt-PRESET)
 #   examples/interrupt/run.sh train NAME [SEED]  one arm, WORK/arms/NAME-seedSEED (default 1), through
 #                                          the recipe's steps: the command that is killed and rerun
 #   examples/interrupt/run.sh report       WORK/interrupt.{md,json} again, from a finished experiment
-# Settings (environment): PRESET (default toy), REFERENCE_SEEDS (default 1: the seeds trained
-# uninterrupted; seed 1 is the one interrupted, the others say how far dev BLEU moves between seeds,
-# i.e. what "within noise" means), KILL_AFTER (default: one and a half epochs, from the
+# Settings (environment): PRESET (default toy), SEEDS (default 1; e.g. "1 2 3"), KILL_AFTER (default: one and a half epochs, from the
 # uninterrupted run), DATA_DIR, and the preset's values (MAX_UPDATE, EXTRA_TRAIN_FLAGS, ...) as for
 # examples/ted/run.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
@@ -29,8 +29,6 @@ WORK=${WORK:-$ROOT/work/interrupt-$PRESET}
 export LOG_INTERVAL=${LOG_INTERVAL:-1}  # every update in the log: where each kill landed
 SELF=$ROOT/examples/interrupt/run.sh
 FAULTS=$ROOT/tests/fault_injection
-REFERENCE_SEEDS=${REFERENCE_SEEDS:-1}
-[[ " $REFERENCE_SEEDS " == *" 1 "* ]] || die "REFERENCE_SEEDS='$REFERENCE_SEEDS': expected seeds that include 1 (the interrupted run's seed)"
 
 train_one() {
     setup_work
@@ -39,19 +37,19 @@ train_one() {
     step "$1.seed$seed.train" binarize train_arm "$WORK/arms/$1-seed$seed" "$QKNORM_ARCH"
 }
 
-# After attempt N: its exit status, its part of train.log (the recipe appends when it resumes and
+# After attempt N of seed S (record_attempt S N RC OFFSET): its exit status, its part of train.log (the recipe appends when it resumes and
 # starts a new log when it starts afresh) and every checkpoint file, complete (a whole zip archive,
 # as torch.save writes) or not.
 record_attempt() {
-    local n=$1 rc=$2 offset=$3 dir=$WORK/arms/interrupted-seed1
-    echo "$rc" > "$WORK/attempts/$n.rc"
-    if [ "$(stat -c %s "$dir/train.log")" -gt "$offset" ] && head -c "$offset" "$dir/train.log" | cmp -s - "$WORK/attempts/all.log"; then
-        tail -c +$((offset + 1)) "$dir/train.log" > "$WORK/attempts/$n.log"
+    local seed=$1 n=$2 rc=$3 offset=$4 dir=$WORK/arms/interrupted-seed$1 out=$WORK/attempts/seed$1
+    echo "$rc" > "$out/$n.rc"
+    if [ "$(stat -c %s "$dir/train.log")" -gt "$offset" ] && head -c "$offset" "$dir/train.log" | cmp -s - "$out/all.log"; then
+        tail -c +$((offset + 1)) "$dir/train.log" > "$out/$n.log"
     else
-        cp "$dir/train.log" "$WORK/attempts/$n.log"
+        cp "$dir/train.log" "$out/$n.log"
     fi
-    cp "$dir/train.log" "$WORK/attempts/all.log"
-    python - "$dir" > "$WORK/attempts/$n.files" <<'PY'
+    cp "$dir/train.log" "$out/all.log"
+    python - "$dir" > "$out/$n.files" <<'PY'
 import pathlib, sys, zipfile
 for d in ("checkpoints.tmp", "checkpoints"):
     for p in sorted((pathlib.Path(sys.argv[1]) / d).glob("checkpoint*")):
@@ -60,24 +58,24 @@ for d in ("checkpoints.tmp", "checkpoints"):
 PY
 }
 
-log_size() { stat -c %s "$WORK/arms/interrupted-seed1/train.log" 2>/dev/null || echo 0; }
+log_size() { stat -c %s "$WORK/arms/interrupted-seed$1/train.log" 2>/dev/null || echo 0; }
 
-# attempt N ENV...: rerun the same command, with ENV.
+# attempt S N ENV...: rerun the same command (seed S), with ENV.
 attempt() {
-    local n=$1 offset rc=0; shift
-    offset=$(log_size)
-    log "attempt $n: ${*:-no fault}"
-    env "$@" bash "$SELF" train interrupted || rc=$?
-    record_attempt "$n" "$rc" "$offset"
+    local seed=$1 n=$2 offset rc=0; shift 2
+    offset=$(log_size "$seed")
+    log "seed $seed, attempt $n: ${*:-no fault}"
+    env "$@" bash "$SELF" train interrupted "$seed" || rc=$?
+    record_attempt "$seed" "$n" "$rc" "$offset"
 }
 
-# attempt_killed_mid_epoch N: rerun the same command; SIGKILL its fairseq-train (a child of the
+# attempt_killed_mid_epoch S N: rerun the same command; SIGKILL its fairseq-train (a child of the
 # recipe's shell) once its part of the log shows KILL_AFTER updates past the first it made.
 attempt_killed_mid_epoch() {
-    local n=$1 log=$WORK/arms/interrupted-seed1/train.log offset pid trainer updates first rc=0
-    offset=$(log_size)
-    log "attempt $n: kill -9 of fairseq-train $KILL_AFTER updates after it resumed"
-    bash "$SELF" train interrupted & pid=$!
+    local seed=$1 n=$2 log=$WORK/arms/interrupted-seed$1/train.log offset pid trainer updates first rc=0
+    offset=$(log_size "$seed")
+    log "seed $seed, attempt $n: kill -9 of fairseq-train $KILL_AFTER updates after it resumed"
+    bash "$SELF" train interrupted "$seed" & pid=$!
     while kill -0 "$pid" 2>/dev/null; do
         updates=$(tail -c +$((offset + 1)) "$log" 2>/dev/null | grep -o "num_updates=[0-9]*" | cut -d= -f2 || true)
         first=$(head -1 <<< "$updates") updates=$(tail -1 <<< "$updates")
@@ -92,46 +90,61 @@ attempt_killed_mid_epoch() {
         sleep 0.1
     done
     wait "$pid" || rc=$?
-    record_attempt "$n" "$rc" "$offset"
+    record_attempt "$seed" "$n" "$rc" "$offset"
 }
 
 experiment() {
     setup_work
     prepare
-    local start=$SECONDS epoch faults="$FAULTS${PYTHONPATH:+:$PYTHONPATH}"
-    bash "$SELF" train uninterrupted
-    echo $((SECONDS - start)) > "$WORK/uninterrupted.seconds"
-    epoch=$(grep -om1 "epoch 001: *[0-9]* / *[0-9]*" "$WORK/arms/uninterrupted-seed1/train.log" | grep -o "[0-9]*$")
-    KILL_AFTER=${KILL_AFTER:-$((epoch + epoch / 2))}
-    for seed in $REFERENCE_SEEDS; do
-        [ "$seed" = 1 ] || bash "$SELF" train uninterrupted "$seed"
+    local seed
+    for seed in $SEEDS; do
+        if [ -f "$WORK/attempts/seed$seed/4.rc" ]; then
+            log "seed $seed: done before, skipped (delete $WORK/attempts/seed$seed to redo)"
+        else
+            interrupt_seed "$seed"
+        fi
     done
-    rm -rf "$WORK/attempts" "$WORK/arms/interrupted-seed1" "$WORK/stamps/interrupted.seed1.train"
-    mkdir -p "$WORK/attempts"
-    : > "$WORK/attempts/all.log"
-    start=$SECONDS
-    attempt 1 PYTHONPATH="$faults" FAIRSEQ_KILL_DURING=copy:1
-    attempt_killed_mid_epoch 2
-    attempt 3 PYTHONPATH="$faults" FAIRSEQ_KILL_DURING=save:1
-    attempt 4
-    echo $((SECONDS - start)) > "$WORK/interrupted.seconds"
-    echo "$KILL_AFTER" > "$WORK/attempts/kill_after"
     report
+}
+
+# interrupt_seed S: the uninterrupted arm of seed S, then the interrupted one, attempt by attempt.
+interrupt_seed() {
+    local seed=$1 start=$SECONDS epoch out=$WORK/attempts/seed$1 faults="$FAULTS${PYTHONPATH:+:$PYTHONPATH}"
+    if [ -f "$WORK/stamps/uninterrupted.seed$seed.train" ]; then
+        bash "$SELF" train uninterrupted "$seed"  # done before: logs so, and keeps its wall time
+    else
+        bash "$SELF" train uninterrupted "$seed"
+        echo $((SECONDS - start)) > "$WORK/uninterrupted-seed$seed.seconds"
+    fi
+    epoch=$(grep -om1 "epoch 001: *[0-9]* / *[0-9]*" "$WORK/arms/uninterrupted-seed$seed/train.log" | grep -o "[0-9]*$")
+    KILL_AFTER=${KILL_AFTER:-$((epoch + epoch / 2))}
+    rm -rf "$out" "$WORK/arms/interrupted-seed$seed" "$WORK/stamps/interrupted.seed$seed.train"
+    mkdir -p "$out"
+    : > "$out/all.log"
+    start=$SECONDS
+    attempt "$seed" 1 PYTHONPATH="$faults" FAIRSEQ_KILL_DURING=copy:1
+    attempt_killed_mid_epoch "$seed" 2
+    attempt "$seed" 3 PYTHONPATH="$faults" FAIRSEQ_KILL_DURING=save:1
+    echo "$KILL_AFTER" > "$out/kill_after"
+    attempt "$seed" 4
+    echo $((SECONDS - start)) > "$WORK/interrupted-seed$seed.seconds"
 }
 
 # WORK/interrupt.{json,md} from the attempts' records and both arms' logs and final checkpoints.
 report() {
     python - "$WORK" <<'PY'
-import json, pathlib, re, sys
+import json, pathlib, re, statistics, sys
 
 import torch
 
 import fairseq_qknorm  # noqa: F401  (allow-lists fairseq's checkpoint contents for torch.load)
 
 work = pathlib.Path(sys.argv[1])
-kill_after = int((work / "attempts/kill_after").read_text())
-faults = {1: "kill -9 half-way through the first checkpoint copy", 2: f"kill -9 mid-epoch, {kill_after} updates after the resume",
-          3: "kill -9 half-way through the first torch.save", 4: "none"}
+
+
+def faults(kill_after):
+    return {1: "kill -9 half-way through the first checkpoint copy", 2: f"kill -9 mid-epoch, {kill_after} updates after the resume",
+            3: "kill -9 half-way through the first torch.save", 4: "none"}
 
 
 def validations(text):
@@ -162,42 +175,67 @@ def parse(text):
             "updates_per_epoch": int(epoch[1]) if epoch else None}
 
 
-attempts = []
-for n in (1, 2, 3, 4):
-    entry = {"attempt": n, "fault": faults[n], "rc": int((work / f"attempts/{n}.rc").read_text()),
-             "files": (work / f"attempts/{n}.files").read_text().split("\n")[:-1],
-             **parse((work / f"attempts/{n}.log").read_text())}
-    if n > 1:  # the work of the attempt before that this one does not start from
-        entry["updates_lost"] = attempts[-1]["last_logged_updates"] - (entry["resumed_from"] or {"updates": 0})["updates"]
-    attempts.append(entry)
-
-runs = {}
-references = sorted(work.glob("arms/uninterrupted-seed*"), key=lambda d: int(d.name.rsplit("seed", 1)[1]))
-for arm in [*references, work / "arms/interrupted-seed1"]:
+def run_summary(arm):
     text = (arm / "train.log").read_text()
     dev = validations(text)
-    seconds = work / f"{arm.name.split('-')[0]}.seconds"
-    runs[arm.name] = {"final_updates": parse(text)["last_logged_updates"], "dev_bleu_final": dev[-1][1],
-                      "dev_bleu_best": max(b for _, b in dev), "dev_bleu": dev,
-                      "seconds": int(seconds.read_text()) if arm.name.endswith("seed1") else None}
-states = [torch.load(work / f"arms/{name}-seed1/checkpoints/checkpoint_last.pt")["model"] for name in ("uninterrupted", "interrupted")]
-max_diff = max((states[0][k].float() - states[1][k].float()).abs().max().item() for k in states[0])
-reference_bleu = [runs[d.name]["dev_bleu_final"] for d in references]
-result = {"attempts": attempts, "runs": runs, "max_abs_weight_difference": max_diff, "kill_after": kill_after,
-          "uninterrupted_final_dev_bleu_range": [min(reference_bleu), max(reference_bleu)]}
-(work / "interrupt.json").write_text(json.dumps(result, indent=1) + "\n")
+    seconds = work / f"{arm.name}.seconds"
+    return {"final_updates": parse(text)["last_logged_updates"], "dev_bleu_final": dev[-1][1],
+            "dev_bleu_best": max(b for _, b in dev), "dev_bleu": dev,
+            "seconds": int(seconds.read_text()) if seconds.exists() else None}
 
-md = ["| attempt | fault | exit | resumed from | updates lost | log reached | files after (final names) |", "|---|---|---|---|---|---|---|"]
-for a in attempts:
-    r = a["resumed_from"]
-    resumed = f"{r['file']} (epoch {r['epoch']} @ {r['updates']})" if r else ("nothing (fresh start)" if a["fresh_start"] else "-")
-    files = ", ".join(f for f in a["files"] if ".tmp " not in f.replace("checkpoints.tmp/", ""))
-    md.append(f"| {a['attempt']} | {a['fault']} | {a['rc']} | {resumed} | {a.get('updates_lost', '-')} | {a['last_logged_updates']} | {files} |")
-md += ["", "| run | updates | final dev BLEU | best dev BLEU | wall (s) |", "|---|---|---|---|---|"]
-for name, r in runs.items():
-    md.append(f"| {name} | {r['final_updates']} | {r['dev_bleu_final']:.2f} | {r['dev_bleu_best']:.2f} | {r['seconds'] if r['seconds'] is not None else '-'} |")
-md += ["", f"final dev BLEU of the {len(references)} uninterrupted seed(s): {min(reference_bleu):.2f} to {max(reference_bleu):.2f}",
-       f"max |weight difference| between the two seed-1 final checkpoints: {max_diff:.3g}"]
+
+seeds = {}
+for out in sorted(work.glob("attempts/seed*"), key=lambda d: int(d.name[4:])):
+    seed = int(out.name[4:])
+    if not (out / "4.rc").exists():
+        continue  # an experiment still running, or cut short
+    attempts = []
+    for n in (1, 2, 3, 4):
+        entry = {"attempt": n, "fault": faults(int((out / "kill_after").read_text()))[n],
+                 "rc": int((out / f"{n}.rc").read_text()),
+                 "files": (out / f"{n}.files").read_text().split("\n")[:-1], **parse((out / f"{n}.log").read_text())}
+        if n > 1:  # the work of the attempt before that this one does not start from
+            entry["updates_lost"] = attempts[-1]["last_logged_updates"] - (entry["resumed_from"] or {"updates": 0})["updates"]
+        attempts.append(entry)
+    arms = {name: work / f"arms/{name}-seed{seed}" for name in ("uninterrupted", "interrupted")}
+    states = [torch.load(arm / "checkpoints/checkpoint_last.pt")["model"] for arm in arms.values()]
+    seeds[seed] = {"attempts": attempts, "kill_after": int((out / "kill_after").read_text()),
+                   **{name: run_summary(arm) for name, arm in arms.items()},
+                   "max_abs_weight_difference": max((states[0][k].float() - states[1][k].float()).abs().max().item()
+                                                    for k in states[0])}
+if not seeds:
+    sys.exit(f"error: {work}/attempts: no finished experiment to report")
+
+bleu = {name: [s[name]["dev_bleu_final"] for s in seeds.values()] for name in ("uninterrupted", "interrupted")}
+differences = [i - u for u, i in zip(bleu["uninterrupted"], bleu["interrupted"])]
+summary = {"seeds": list(seeds), "mean_difference": statistics.mean(differences),
+           "uninterrupted_range": [min(bleu["uninterrupted"]), max(bleu["uninterrupted"])]}
+if len(seeds) > 1:
+    summary["uninterrupted_sd"] = statistics.stdev(bleu["uninterrupted"])
+    summary["difference_sd"] = statistics.stdev(differences)
+(work / "interrupt.json").write_text(json.dumps({"seeds": seeds, "summary": summary}, indent=1) + "\n")
+
+md = ["| seed | attempt | fault | exit | resumed from | updates lost | log reached | files after (final names) |",
+      "|---|---|---|---|---|---|---|---|"]
+for seed, s in seeds.items():
+    for a in s["attempts"]:
+        r = a["resumed_from"]
+        resumed = f"{r['file']} (epoch {r['epoch']} @ {r['updates']})" if r else ("nothing (fresh start)" if a["fresh_start"] else "-")
+        files = ", ".join(f for f in a["files"] if ".tmp " not in f.replace("checkpoints.tmp/", ""))
+        md.append(f"| {seed} | {a['attempt']} | {a['fault']} | {a['rc']} | {resumed} | {a.get('updates_lost', '-')} | "
+                  f"{a['last_logged_updates']} | {files} |")
+md += ["", "| seed | updates | final dev BLEU, uninterrupted | interrupted | difference | best dev BLEU, uninterrupted | "
+       "interrupted | max \\|weight difference\\| | wall (s), uninterrupted | interrupted (4 attempts) |", "|" + "---|" * 10]
+for seed, s in seeds.items():
+    u, i = s["uninterrupted"], s["interrupted"]
+    wall = [str(r["seconds"]) if r["seconds"] is not None else "-" for r in (u, i)]
+    md.append(f"| {seed} | {i['final_updates']} | {u['dev_bleu_final']:.2f} | {i['dev_bleu_final']:.2f} | "
+              f"{i['dev_bleu_final'] - u['dev_bleu_final']:+.2f} | {u['dev_bleu_best']:.2f} | {i['dev_bleu_best']:.2f} | "
+              f"{s['max_abs_weight_difference']:.3g} | {wall[0]} | {wall[1]} |")
+md.append("")
+md.append(f"interrupted minus uninterrupted final dev BLEU, mean over {len(seeds)} seed(s): {summary['mean_difference']:+.2f}"
+          + (f" (sd {summary['difference_sd']:.2f}); between seeds, uninterrupted: {summary['uninterrupted_range'][0]:.2f} "
+             f"to {summary['uninterrupted_range'][1]:.2f} (sd {summary['uninterrupted_sd']:.2f})" if len(seeds) > 1 else ""))
 (work / "interrupt.md").write_text("\n".join(md) + "\n")
 print("\n".join(md))
 PY
