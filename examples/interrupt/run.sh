@@ -15,12 +15,12 @@
 # (what "within noise" means). A seed whose attempts are all recorded is skipped on a rerun.
 #
 #   examples/interrupt/run.sh              the experiment (PRESET=toy, WORK=work/interrupt-PRESET)
-#   examples/interrupt/run.sh train NAME [SEED]  one arm, WORK/arms/NAME-seedSEED (default 1), through
-#                                          the recipe's steps: the command that is killed and rerun
+#   examples/interrupt/run.sh train NAME [SEED]   one arm, WORK/arms/NAME-seedSEED (SEED default 1),
+#                                          through the recipe's steps: the command killed and rerun
 #   examples/interrupt/run.sh report       WORK/interrupt.{md,json} again, from a finished experiment
-# Settings (environment): PRESET (default toy), SEEDS (default 1; e.g. "1 2 3"), KILL_AFTER (default: one and a half epochs, from the
-# uninterrupted run), DATA_DIR, and the preset's values (MAX_UPDATE, EXTRA_TRAIN_FLAGS, ...) as for
-# examples/ted/run.sh.
+# Settings (environment): PRESET (default toy), SEEDS (default 1; e.g. "1 2 3"), KILL_AFTER (default:
+# one and a half epochs, from the uninterrupted run), DATA_DIR, and the preset's values (MAX_UPDATE,
+# EXTRA_TRAIN_FLAGS, ...) as for examples/ted/run.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
 
 set_pair toy
@@ -37,9 +37,9 @@ train_one() {
     step "$1.seed$seed.train" binarize train_arm "$WORK/arms/$1-seed$seed" "$QKNORM_ARCH"
 }
 
-# After attempt N of seed S (record_attempt S N RC OFFSET): its exit status, its part of train.log (the recipe appends when it resumes and
-# starts a new log when it starts afresh) and every checkpoint file, complete (a whole zip archive,
-# as torch.save writes) or not.
+# record_attempt S N RC OFFSET, after attempt N of seed S: its exit status, its part of train.log
+# (the recipe appends when it resumes and starts a new log when it starts afresh) and every
+# checkpoint file, complete (a whole zip archive, as torch.save writes) or not.
 record_attempt() {
     local seed=$1 n=$2 rc=$3 offset=$4 dir=$WORK/arms/interrupted-seed$1 out=$WORK/attempts/seed$1
     echo "$rc" > "$out/$n.rc"
@@ -110,12 +110,11 @@ experiment() {
 # interrupt_seed S: the uninterrupted arm of seed S, then the interrupted one, attempt by attempt.
 interrupt_seed() {
     local seed=$1 start=$SECONDS epoch out=$WORK/attempts/seed$1 faults="$FAULTS${PYTHONPATH:+:$PYTHONPATH}"
-    if [ -f "$WORK/stamps/uninterrupted.seed$seed.train" ]; then
-        bash "$SELF" train uninterrupted "$seed"  # done before: logs so, and keeps its wall time
-    else
-        bash "$SELF" train uninterrupted "$seed"
-        echo $((SECONDS - start)) > "$WORK/uninterrupted-seed$seed.seconds"
-    fi
+    local trained_before=no
+    [ -f "$WORK/stamps/uninterrupted.seed$seed.train" ] && trained_before=yes
+    bash "$SELF" train uninterrupted "$seed"
+    # its wall time, unless its step was done before (then it keeps the one it had)
+    [ $trained_before = yes ] || echo $((SECONDS - start)) > "$WORK/uninterrupted-seed$seed.seconds"
     epoch=$(grep -om1 "epoch 001: *[0-9]* / *[0-9]*" "$WORK/arms/uninterrupted-seed$seed/train.log" | grep -o "[0-9]*$")
     KILL_AFTER=${KILL_AFTER:-$((epoch + epoch / 2))}
     rm -rf "$out" "$WORK/arms/interrupted-seed$seed" "$WORK/stamps/interrupted.seed$seed.train"
