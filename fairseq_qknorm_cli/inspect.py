@@ -98,7 +98,7 @@ def temperatures(path, state):
         "qk_scale": getattr(cfg, "qk_scale", None),
         "per_head": rows[0]["head"] is not None,
         "g0": g0,
-        "L": length_from_g0(g0) if g0 is not None else None,
+        "L": length_from_g0(g0) if g0 is not None and getattr(cfg, "qk_scale", None) == "learned" else None,
         "g": rows,
         "summary": {"count": len(gs), "min": min(gs), "median": statistics.median(gs), "max": max(gs),
                     "below": sum(g < low for g in gs), "within": sum(low <= g <= high for g in gs),
@@ -110,6 +110,9 @@ def print_temperatures(t):
     g0 = t["g0"]
     print(f"{t['checkpoint']}: {t['arch']}, {t['num_updates']} updates, qk-norm {t['qk_norm']}, "
           f"qk-scale {t['qk_scale']}, one g per {'head' if t['per_head'] else 'attention module'}")
+    if t["qk_scale"] == "fixed":  # a constant, not derived from a length: nothing learned to show
+        print(f"g = {g0:.4f} in every module, fixed (--qk-scale fixed --qk-scale-init {g0:g}): not learned")
+        return
     if g0 is not None:
         print(f"g0 = {g0:.4f} = log2(L^2 - L), L = {t['L']:.0f}")
     rows = [["module", "layer", "head", "g", "g - g0"]]

@@ -71,6 +71,18 @@ def test_printed_g_are_the_checkpoint_parameters(trained, capsys):
     assert text.rstrip().splitlines()[-1].startswith("summary: 6 g from")
 
 
+def test_a_fixed_g_is_reported_as_fixed_not_as_a_length(capsys):
+    # --qk-scale fixed --qk-scale-init 1 (the paper's no-g ablation): 1 = log2(L^2 - L) for L = 2, but
+    # no length was involved, and there is nothing learned to tabulate
+    t = {"checkpoint": "ckpt.pt", "arch": "transformer_qknorm_paper", "num_updates": 300, "qk_norm": "l2",
+         "qk_scale": "fixed", "per_head": False, "g0": 1.0, "L": None,
+         "g": [{"module": "encoder self", "layer": 0, "head": None, "g": 1.0}]}
+    inspect_cli.print_temperatures(t)
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "g = 1.0000 in every module, fixed (--qk-scale fixed --qk-scale-init 1): not learned"
+    assert len(out) == 2 and "L =" not in "".join(out)
+
+
 def test_checkpoint_without_qknorm_gets_one_line(baseline):
     proc = run([tool("fairseq-qknorm-inspect"), baseline], check=False)
     assert proc.returncode == 1
