@@ -137,6 +137,7 @@ import json, pathlib, re, statistics, sys
 import torch
 
 import fairseq_qknorm  # noqa: F401  (allow-lists fairseq's checkpoint contents for torch.load)
+from fairseq_qknorm_cli.results import parse_valid_line
 
 work = pathlib.Path(sys.argv[1])
 
@@ -154,9 +155,9 @@ def validations(text):
         loaded = re.search(r"Loaded checkpoint \S+ \(epoch \d+ @ (\d+) updates\)", line)
         if loaded:
             kept = [v for v in kept if v[0] <= int(loaded[1])]
-        valid = re.search(r"valid on 'valid' subset .*?\| bleu ([\d.]+) .*?\| num_updates (\d+)", line)
+        valid = parse_valid_line(line)
         if valid:
-            kept.append([int(valid[2]), float(valid[1])])
+            kept.append([valid[0], valid[2]])
     return kept
 
 
@@ -164,13 +165,13 @@ def parse(text):
     updates = [int(u) for u in re.findall(r"num_updates[= ](\d+)", text)]
     loaded = re.search(r"Loaded checkpoint (\S+) \(epoch (\d+) @ (\d+) updates\)", text)
     saved = re.findall(r"Saved checkpoint \S+ \(epoch (\d+) @ (\d+) updates", text)
-    valid = re.findall(r"valid on 'valid' subset .*?\| bleu ([\d.]+) .*?\| num_updates (\d+)", text)
+    valid = [v for v in map(parse_valid_line, text.splitlines()) if v]
     epoch = re.search(r"epoch \d+: +\d+ / +(\d+)", text)
     return {"last_logged_updates": max(updates, default=0),
             "resumed_from": loaded and {"file": pathlib.Path(loaded[1]).name, "epoch": int(loaded[2]), "updates": int(loaded[3])},
             "fresh_start": "No existing checkpoint found" in text,
             "last_saved_updates": int(saved[-1][1]) if saved else None,
-            "dev_bleu": [[int(u), float(b)] for b, u in valid],
+            "dev_bleu": [[updates, bleu] for updates, _, bleu in valid],
             "updates_per_epoch": int(epoch[1]) if epoch else None}
 
 
@@ -188,9 +189,10 @@ for out in sorted(work.glob("attempts/seed*"), key=lambda d: int(d.name[4:])):
     seed = int(out.name[4:])
     if not (out / "4.rc").exists():
         continue  # an experiment still running, or cut short
+    kill_after = int((out / "kill_after").read_text())
     attempts = []
     for n in (1, 2, 3, 4):
-        entry = {"attempt": n, "fault": faults(int((out / "kill_after").read_text()))[n],
+        entry = {"attempt": n, "fault": faults(kill_after)[n],
                  "rc": int((out / f"{n}.rc").read_text()),
                  "files": (out / f"{n}.files").read_text().split("\n")[:-1], **parse((out / f"{n}.log").read_text())}
         if n > 1:  # the work of the attempt before that this one does not start from
@@ -198,7 +200,7 @@ for out in sorted(work.glob("attempts/seed*"), key=lambda d: int(d.name[4:])):
         attempts.append(entry)
     arms = {name: work / f"arms/{name}-seed{seed}" for name in ("uninterrupted", "interrupted")}
     states = [torch.load(arm / "checkpoints/checkpoint_last.pt")["model"] for arm in arms.values()]
-    seeds[seed] = {"attempts": attempts, "kill_after": int((out / "kill_after").read_text()),
+    seeds[seed] = {"attempts": attempts, "kill_after": kill_after,
                    **{name: run_summary(arm) for name, arm in arms.items()},
                    "max_abs_weight_difference": max((states[0][k].float() - states[1][k].float()).abs().max().item()
                                                     for k in states[0])}
