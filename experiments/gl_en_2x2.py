@@ -1,0 +1,197 @@
+"""The 2x2 on TED gl-en: {ScaleNorm, LayerNorm} x {scaled dot product, QKNorm}, one record per run.
+
+    python -m experiments.gl_en_2x2 pending RECORDS --seeds 1 2 3
+        prints "NORM ATTENTION SEED" for every cell and seed without a record in RECORDS/runs.json
+    python -m experiments.gl_en_2x2 record RECORDS --arm-dir DIR --norm N --attention A --seed S --data DATA_DIR
+        scores DIR/test.hyp against DATA_DIR/test.en, copies it into RECORDS and appends one entry
+        to RECORDS/runs.json (under a lock: two runs finish at the same time)
+    python -m experiments.gl_en_2x2 report RECORDS
+        writes RECORDS/README.md and RECORDS/dev-curves.png from runs.json
+
+A record holds what the report needs: test BLEU (sacrebleu, --tokenize none, the paper's tokenized
+BLEU on the Moses-tokenized release) and chrF, the dev curve from fairseq-train's log, the learned g
+of every attention module, the training time and command, and the sha1 of every data file, so runs
+on other data are never mixed into one table.
+"""
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+from contextlib import contextmanager
+
+CELLS = (("scalenorm", "dot"), ("scalenorm", "qknorm"), ("layernorm", "dot"), ("layernorm", "qknorm"))
+SRC, TGT = "gl", "en"
+
+
+def fail(message):
+    sys.exit(f"error: {message}")
+
+
+def hyp_name(norm, attention, seed):
+    return f"{norm}-{attention}-seed{seed}.hyp"
+
+
+def read_runs(records):
+    path = os.path.join(records, "runs.json")
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            fail(f"{path}: not valid JSON ({e.msg} at line {e.lineno})")
+
+
+def write_runs(records, runs):
+    path = os.path.join(records, "runs.json")
+    runs = sorted(runs, key=lambda r: (r["seed"], CELLS.index((r["norm"], r["attention"]))))
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(runs, f, indent=1)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+
+
+@contextmanager
+def locked(records):
+    with open(os.path.join(records, ".runs.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def sha1(path):
+    with open(path, "rb") as f:
+        return hashlib.sha1(f.read()).hexdigest()
+
+
+def data_sha1(data_dir):
+    return {f"{split}.{lang}": sha1(os.path.join(data_dir, f"{split}.{lang}"))
+            for split in ("train", "dev", "test") for lang in (SRC, TGT)}
+
+
+def pending(records, seeds):
+    done = {(r["norm"], r["attention"], r["seed"]) for r in read_runs(records)}
+    return [(n, a, s) for s in seeds for n, a in CELLS if (n, a, s) not in done]
+
+
+def train_log(path):
+    """Updates, parameters, g0 and the dev curve (updates, loss, BLEU) from fairseq-train's log."""
+    from fairseq_qknorm_cli.results import parse_valid_line
+
+    out = {"updates": None, "params": None, "L": None, "g0": None, "dev": []}
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            valid = parse_valid_line(line)
+            if valid:
+                out["dev"].append(list(valid))
+            m = re.search(r"num_updates[ =](\d+)", line)
+            if m:
+                out["updates"] = int(m.group(1))
+            m = re.search(r"num\. (?:shared )?model params: ([\d,]+)", line)
+            if m:
+                out["params"] = int(m.group(1).replace(",", ""))
+            m = re.search(r"qk-norm: L=(\d+) .* g0=log2\(L\^2-L\)=([\d.]+)", line)
+            if m:
+                out["L"], out["g0"] = int(m.group(1)), float(m.group(2))
+    return out
+
+
+def learned_g(checkpoint):
+    """{module name: g} of every attention module (empty for scaled dot product)."""
+    import torch
+
+    import fairseq_qknorm  # noqa: F401  (allow-lists the classes fairseq checkpoints hold)
+
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
+    suffix = ".qk_scale.g"
+    return {k[: -len(suffix)]: [round(float(x), 4) for x in v.flatten()] if v.numel() > 1 else round(float(v), 4)
+            for k, v in state.items() if k.endswith(suffix)}
+
+
+def train_command(commands_path, arm_dir):
+    from fairseq_qknorm_cli.results import _train_command as find, read_commands
+
+    return find(read_commands(commands_path), arm_dir)
+
+
+def record(args):
+    from fairseq_qknorm_cli.score import ScoreError, score_systems
+
+    hyp = os.path.join(args.arm_dir, "test.hyp")
+    ref = os.path.join(args.data, f"test.{TGT}")
+    try:
+        scores = {tok: score_systems(ref, [hyp], tokenize=tok)["systems"][0] for tok in ("none", "13a")}
+    except ScoreError as e:
+        fail(str(e))
+    log = train_log(os.path.join(args.arm_dir, "train.log"))
+    if not log["dev"]:
+        fail(f"{args.arm_dir}/train.log: no validation with BLEU (did fairseq-train finish?)")
+    with open(os.path.join(args.arm_dir, "train_seconds")) as f:
+        seconds = int(f.read())
+    entry = {
+        "norm": args.norm, "attention": args.attention, "seed": args.seed,
+        "updates": log["updates"],
+        "test_bleu": round(scores["none"]["bleu"], 2),
+        "test_bleu_13a": round(scores["13a"]["bleu"], 2),
+        "test_chrf": round(scores["13a"]["chrf"], 2),
+        "best_dev_bleu": max(b for _, _, b in log["dev"]),
+        "hyp": hyp_name(args.norm, args.attention, args.seed),
+        "dev": log["dev"],
+        "g": learned_g(os.path.join(args.arm_dir, "checkpoints", "checkpoint_best.pt")),
+        "L": log["L"], "g0": log["g0"],
+        "params": log["params"],
+        "train_seconds": seconds,
+        "threads": int(os.environ.get("OMP_NUM_THREADS", "0")) or None,
+        "preset": args.preset,
+        "train_command": train_command(args.commands, args.arm_dir) if args.commands else None,
+        "data_sha1": data_sha1(args.data),
+    }
+    with locked(args.records):
+        runs = read_runs(args.records)
+        for other in runs:
+            if other["data_sha1"] != entry["data_sha1"]:
+                fail(f"{args.data}: not the data of the runs recorded in {args.records}/runs.json "
+                     f"(sha1 of the files differ); use another RECORDS folder")
+        shutil.copyfile(hyp, os.path.join(args.records, entry["hyp"] + ".tmp"))
+        os.replace(os.path.join(args.records, entry["hyp"] + ".tmp"), os.path.join(args.records, entry["hyp"]))
+        runs = [r for r in runs if (r["norm"], r["attention"], r["seed"]) != (args.norm, args.attention, args.seed)]
+        write_runs(args.records, runs + [entry])
+    print(f"{args.norm} + {args.attention}, seed {args.seed}: test BLEU {entry['test_bleu']:.2f}, "
+          f"chrF {entry['test_chrf']:.2f}, best dev BLEU {entry['best_dev_bleu']:.2f}, {entry['updates']} updates")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m experiments.gl_en_2x2", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("pending")
+    p.add_argument("records")
+    p.add_argument("--seeds", type=int, nargs="+", required=True)
+    r = sub.add_parser("record")
+    r.add_argument("records")
+    r.add_argument("--arm-dir", required=True)
+    r.add_argument("--norm", choices=("scalenorm", "layernorm"), required=True)
+    r.add_argument("--attention", choices=("dot", "qknorm"), required=True)
+    r.add_argument("--seed", type=int, required=True)
+    r.add_argument("--data", required=True, help="the plain-text corpus: {train,dev,test}.{gl,en}")
+    r.add_argument("--preset", required=True)
+    r.add_argument("--commands", help="the recipe's WORK/commands.sh (for the training command)")
+    t = sub.add_parser("report")
+    t.add_argument("records")
+    args = parser.parse_args(argv)
+    if args.command == "pending":
+        for norm, attention, seed in pending(args.records, args.seeds):
+            print(norm, attention, seed)
+    elif args.command == "record":
+        record(args)
+    else:
+        from experiments.gl_en_2x2_report import write_report
+
+        write_report(args.records)
+
+
+if __name__ == "__main__":
+    main()
