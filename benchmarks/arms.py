@@ -9,7 +9,7 @@ from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 import fairseq_qknorm  # noqa: F401  (registers transformer_qknorm and its architectures)
-from fairseq_qknorm.qknorm_attention import g0_for_length
+from fairseq_qknorm.length_prior import g0_for_length
 
 
 @dataclass(frozen=True)

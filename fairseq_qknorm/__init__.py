@@ -16,12 +16,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "`pip install fairseq-qknorm[fairseq]` or `bash scripts/setup.sh`"
     ) from None
 
-from .atomic_checkpoint_copy import make_checkpoint_copies_atomic  # noqa: E402
-from .checkpoint_safety import allow_fairseq_checkpoints  # noqa: E402
-from .errors import install_excepthook  # noqa: E402
+from . import fairseq_patches  # noqa: E402
 
-allow_fairseq_checkpoints()
-make_checkpoint_copies_atomic()
-install_excepthook()
+fairseq_patches.install()
 
-from . import architectures, cpu_bf16, transformer_qknorm  # noqa: E402,F401
+from . import architectures, transformer_qknorm  # noqa: E402,F401

@@ -43,14 +43,10 @@ def _checkpoint_path(error):
     return None
 
 
-def _excepthook(kind, value, tb, _default=sys.excepthook):
+def excepthook(kind, value, tb, _default=sys.excepthook):
+    """sys.excepthook that prints one_line(value), when there is one, instead of the traceback."""
     line = one_line(value)
     if line is None:
         return _default(kind, value, tb)
     print(f"error: {line}", file=sys.stderr)
     sys.exit(2)
-
-
-def install_excepthook():
-    if sys.excepthook is not _excepthook:
-        sys.excepthook = _excepthook

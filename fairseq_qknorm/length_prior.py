@@ -4,12 +4,24 @@ L counts subword tokens without the </s> that fairseq appends. Each side's perce
 and the larger one is L (the longer side bounds the attention matrices). On TED gl-en with an 8k
 joint sentencepiece BPE model this is the English side: 97.5th percentile = 79, the paper's L.
 """
+import math
 import os
 
 import numpy as np
 
 from .errors import QKNormConfigError
-from .qknorm_attention import g0_for_length
+
+
+def g0_for_length(length: float) -> float:
+    """The paper's initial g: log2(L^2 - L), L = a high percentile of training sentence lengths."""
+    if length < 2:
+        raise QKNormConfigError(f"--qk-scale-init auto: the length L must be at least 2, got {length}")
+    return math.log2(length * length - length)
+
+
+def length_from_g0(g0: float) -> float:
+    """Inverse of g0_for_length, to report L from a checkpoint."""
+    return (1 + math.sqrt(1 + 4 * 2.0**g0)) / 2
 
 
 def length_percentile(lengths, percentile: float) -> int:

@@ -4,7 +4,6 @@ Per head, q and k are normalized along the head dimension and the dot products a
 learnable scalar g instead of 1/sqrt(d). V is untouched. Everything else (projections, masks, the
 incremental cache and its beam reordering) is fairseq's MultiheadAttention, which this subclasses.
 """
-import math
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -17,13 +16,6 @@ from .errors import QKNormConfigError
 
 QK_NORMS = ("l2", "layernorm", "rmsnorm", "none")
 QK_SCALES = ("learned", "fixed", "none")
-
-
-def g0_for_length(length: float) -> float:
-    """The paper's initial g: log2(L^2 - L), L = a high percentile of training sentence lengths."""
-    if length < 2:
-        raise QKNormConfigError(f"--qk-scale-init auto: the length L must be at least 2, got {length}")
-    return math.log2(length * length - length)
 
 
 class ScaledUnitNorm(torch.autograd.Function):

@@ -3,7 +3,6 @@ module, plus the paper's other switches (ScaleNorm, FixNorm, word dropout). Only
 overridden; forward passes are fairseq's own."""
 import argparse
 import logging
-import math
 
 from fairseq.distributed import fsdp_wrap
 from fairseq.models import register_model, register_model_architecture
@@ -138,11 +137,6 @@ def resolve_qk_scale_init(args, task) -> float:
     logger.info(f"qk-norm: L={length} ({args.qk_length_percentile:g}th percentile of '{split}' lengths) "
                 f"g0=log2(L^2-L)={g0:.4f}")
     return g0
-
-
-def length_from_g0(g0: float) -> float:
-    """Inverse of g0 = log2(L^2 - L), to report L from a checkpoint."""
-    return (1 + math.sqrt(1 + 4 * 2.0 ** g0)) / 2
 
 
 def build_attention(embed_dim, num_heads, cfg, **kwargs):

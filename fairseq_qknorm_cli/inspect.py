@@ -65,7 +65,7 @@ def describe_attention(model_cfg):
 
 def temperatures(path, state):
     """Every g of one checkpoint, with its g0 and L, as a JSON-ready dict."""
-    from fairseq_qknorm.transformer_qknorm import length_from_g0
+    from fairseq_qknorm.length_prior import length_from_g0
 
     from .attention_stats import attention_module, sort_key
 

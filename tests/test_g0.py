@@ -10,8 +10,8 @@ import fairseq_qknorm  # noqa: F401
 from conftest import run, tool, train
 from fairseq.data import indexed_dataset
 from fairseq_qknorm.length_prior import g0_from_data, length_percentile
-from fairseq_qknorm.qknorm_attention import g0_for_length
-from fairseq_qknorm.transformer_qknorm import length_from_g0
+from fairseq_qknorm.length_prior import g0_for_length
+from fairseq_qknorm.length_prior import length_from_g0
 
 
 def test_paper_value():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import run
 
-from fairseq_qknorm.qknorm_attention import g0_for_length
+from fairseq_qknorm.length_prior import g0_for_length
 from fairseq_qknorm_cli.lr_sweep import WINDOW, divergence, loss_summary, seed_table
 
 SWEEP = [sys.executable, "-m", "fairseq_qknorm_cli.lr_sweep"]
