@@ -29,7 +29,7 @@ setup(
             "fairseq-qknorm-spm-decode = fairseq_qknorm_cli.spm:decode_main",
             "fairseq-qknorm-toy-corpus = fairseq_qknorm_cli.toy_corpus:main",
             "fairseq-qknorm-score = fairseq_qknorm_cli.score:main",
-            "fairseq-qknorm-inspect = fairseq_qknorm_cli.inspect:main",
+            "fairseq-qknorm-inspect = fairseq_qknorm_cli.inspect_checkpoints:main",
         ]
     },
 )

@@ -75,7 +75,8 @@ def attention_heatmaps(path, kind, title, panels):
             panel_title, weights, queries, keys = panel
             image = ax.imshow(weights.numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto",
                               interpolation="nearest")
-            ax.set_title(panel_title, fontsize="medium")
+            # Wrapped to the panel's width: a longer line would run into the next panel's title.
+            ax.set_title(_wrap(panel_title, width), fontsize="medium")
             ax.set_xticks(range(len(keys)), keys, rotation=90, fontsize="small")
             ax.set_yticks(range(len(queries)), queries, fontsize="small")
             ax.set_xlabel(xlabel)

@@ -1,16 +1,20 @@
 """fairseq-qknorm-inspect on tiny models trained here: the g it prints are the checkpoint's, its
-attention statistics agree with ones computed independently, its PNGs are real images, and a
-checkpoint without QKNorm gets one clear line."""
+attention statistics agree with ones computed independently, its PNGs are real images whose panel
+titles name each system and do not overlap, and bad input gets one clear line."""
 import json
 import math
+from argparse import Namespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import run, tool, train
 
-from fairseq_qknorm_cli import inspect as inspect_cli
+from fairseq_qknorm_cli import inspect_checkpoints as inspect_cli
 from fairseq_qknorm_cli import plots
+
+BASELINE = "baseline: LayerNorm, scaled dot product"  # fairseq's stock transformer
+QKNORM = "QKNorm: LayerNorm, l2 + learned g"  # transformer_qknorm_paper
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -33,8 +37,16 @@ def baseline(toy_bin, tmp_path_factory):
 
 
 def inspect_json(capsys, *args):
-    inspect_cli.main([str(a) for a in args] + ["--json", "--cpu"])
+    inspect_cli.main([str(a) for a in args] + ["--json"])
     return json.loads(capsys.readouterr().out)
+
+
+def usage_error(capsys, *args):
+    """The last line argparse writes for a command line it refuses (after the usage)."""
+    with pytest.raises(SystemExit) as exit_:
+        inspect_cli.main([str(a) for a in args])
+    assert exit_.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def checkpoint_g(path):
@@ -52,7 +64,8 @@ def test_printed_g_are_the_checkpoint_parameters(trained, capsys):
     side = {"encoder self": "encoder.layers.{}.self_attn", "decoder self": "decoder.layers.{}.self_attn",
             "decoder cross": "decoder.layers.{}.encoder_attn"}
 
-    (t,) = inspect_json(capsys, path)["temperatures"]
+    (t,) = inspect_json(capsys, "g", path)
+    assert t["name"] == QKNORM
     assert len(t["g"]) == len(params)
     for row in t["g"]:
         assert row["head"] is None
@@ -62,20 +75,24 @@ def test_printed_g_are_the_checkpoint_parameters(trained, capsys):
     assert t["L"] ** 2 - t["L"] == pytest.approx(2 ** t["g0"])
     assert t["num_updates"] == saved["optimizer_history"][-1]["num_updates"]
 
-    inspect_cli.main([str(path)])
+    inspect_cli.main(["g", str(path)])
     text = capsys.readouterr().out
+    assert text.startswith(f"{QKNORM} ({path}): transformer_qknorm_paper, {t['num_updates']} updates")
     table = [line.split() for line in text.splitlines()]
     for row in t["g"]:  # e.g. "decoder cross  1  -  10.8929  -0.1853"
         cells = row["module"].split() + [str(row["layer"]), "-", f"{row['g']:.4f}", f"{row['g'] - t['g0']:+.4f}"]
         assert cells in table, (cells, text)
     assert text.rstrip().splitlines()[-1].startswith("summary: 6 g from")
 
+    (named,) = inspect_json(capsys, "g", path, "--labels", "paper QKNorm")
+    assert named == {**t, "name": "paper QKNorm"}
+
 
 def test_a_fixed_g_is_reported_as_fixed_not_as_a_length(capsys):
     # --qk-scale fixed --qk-scale-init 1 (the paper's no-g ablation): 1 = log2(L^2 - L) for L = 2, but
     # no length was involved, and there is nothing learned to tabulate
-    t = {"checkpoint": "ckpt.pt", "arch": "transformer_qknorm_paper", "num_updates": 300, "qk_norm": "l2",
-         "qk_scale": "fixed", "per_head": False, "g0": 1.0, "L": None,
+    t = {"checkpoint": "ckpt.pt", "name": "QKNorm: LayerNorm, l2 + fixed g", "arch": "transformer_qknorm_paper",
+         "num_updates": 300, "qk_norm": "l2", "qk_scale": "fixed", "per_head": False, "g0": 1.0, "L": None,
          "g": [{"module": "encoder self", "layer": 0, "head": None, "g": 1.0}]}
     inspect_cli.print_temperatures(t)
     out = capsys.readouterr().out.splitlines()
@@ -84,11 +101,64 @@ def test_a_fixed_g_is_reported_as_fixed_not_as_a_length(capsys):
 
 
 def test_checkpoint_without_qknorm_gets_one_line(baseline):
-    proc = run([tool("fairseq-qknorm-inspect"), baseline], check=False)
+    proc = run([tool("fairseq-qknorm-inspect"), "g", baseline], check=False)
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and str(baseline) in last and "no QKNorm temperature g" in last
+    assert BASELINE in last and "fairseq-qknorm-inspect stats" in last
+
+
+def test_each_subcommand_refuses_what_it_cannot_use(tmp_path, capsys):
+    ckpt = tmp_path / "checkpoint_best.pt"
+    ckpt.write_bytes(b"")  # exists: argparse looks no further
+    prog = "fairseq-qknorm-inspect"
+    assert usage_error(capsys) == f"{prog}: error: the following arguments are required: COMMAND"
+    assert usage_error(capsys, "g") == f"{prog} g: error: the following arguments are required: CKPT"
+    missing = tmp_path / "nope.pt"
+    assert usage_error(capsys, "g", missing) == f"{prog} g: error: argument CKPT: no such file: {missing}"
+    assert usage_error(capsys, "stats", ckpt) == f"{prog} stats: error: the following arguments are required: --data"
+    assert usage_error(capsys, "stats", ckpt, "--data", tmp_path / "bin") == \
+        f"{prog} stats: error: argument --data: no such directory: {tmp_path / 'bin'}"
+    assert usage_error(capsys, "stats", ckpt, ckpt, ckpt, "--data", tmp_path).startswith(
+        f"{prog}: error: unrecognized arguments: {ckpt}")  # two checkpoints at most, side by side
+    assert usage_error(capsys, "heatmaps", ckpt, "--sentence", "a b", "--png-dir", tmp_path) == \
+        f"{prog} heatmaps: error: the following arguments are required: --spm"
+    assert usage_error(capsys, "heatmaps", ckpt, "--spm", ckpt, "--png-dir", tmp_path) == \
+        f"{prog} heatmaps: error: the following arguments are required: --sentence"
+    assert usage_error(capsys, "g-history", tmp_path) == \
+        f"{prog} g-history: error: the following arguments are required: --png-dir"
+    assert usage_error(capsys, "g", ckpt, "--labels", "a", "b") == f"{prog} g: error: --labels: 2 given for 1 CKPT"
+    assert usage_error(capsys, "stats", ckpt, ckpt, "--data", tmp_path, "--labels", "baseline") == \
+        f"{prog} stats: error: --labels: 1 given for 2 CKPT"
+    assert usage_error(capsys, "g-history", tmp_path, "--png-dir", tmp_path, "--labels", "a", "b") == \
+        f"{prog} g-history: error: --labels: 2 given for 1 CKPT_DIR"
+    assert usage_error(capsys, "stats", ckpt, "--data", tmp_path, "--sentence", "a b").endswith(
+        "unrecognized arguments: --sentence a b")  # heatmaps' flag, not stats'
+
+
+def test_system_names_come_from_the_config():
+    name = inspect_cli.system_name
+    assert name(Namespace(arch="transformer")) == BASELINE  # no qk options at all
+    assert name(Namespace(norm_type="scalenorm", qk_norm="none", qk_scale="none")) == \
+        "baseline: ScaleNorm, scaled dot product"
+    assert name(Namespace(norm_type="layernorm", qk_norm="l2", qk_scale="learned")) == QKNORM
+    assert name(Namespace(norm_type="scalenorm", qk_norm="l2", qk_scale="learned", qk_scale_per_head=True)) == \
+        "QKNorm: ScaleNorm, l2 + learned g per head"
+    assert name(Namespace(norm_type="layernorm", qk_norm="l2", qk_scale="fixed")) == "QKNorm: LayerNorm, l2 + fixed g"
+    assert name(Namespace(norm_type="layernorm", qk_norm="rmsnorm", qk_scale="none")) == \
+        "QKNorm: LayerNorm, rmsnorm, scaled dot product"
+
+
+def test_paths_are_told_apart_by_the_part_that_differs():
+    parts = inspect_cli.distinct_parts
+    assert parts(["w/arms/baseline-seed1/checkpoints/checkpoint_best.pt",
+                  "w/arms/qknorm-seed1/checkpoints/checkpoint_best.pt"]) == ["baseline-seed1", "qknorm-seed1"]
+    assert parts(["run/checkpoint3.pt", "run/checkpoint_best.pt"]) == ["checkpoint3.pt", "checkpoint_best.pt"]
+    assert parts(["a/b.pt", "a/x/b.pt"]) == ["b.pt", "x/b.pt"]  # one is not left empty
+    assert parts(["/abs/a.pt", "rel/a.pt"]) == ["/abs", "rel"]
+    assert parts(["only/checkpoint_best.pt"]) == ["only/checkpoint_best.pt"]
+    assert parts(["c.pt", "./c.pt"]) == ["c.pt", "./c.pt"]  # the same file: nothing tells them apart
 
 
 def _modules(model):
@@ -117,8 +187,9 @@ def _head_weights(module, call):
 
 def independent_stats(path, data):
     """The statistics, one unpadded sentence pair at a time, from weights captured here."""
-    import fairseq_qknorm  # noqa: F401
     from fairseq import checkpoint_utils
+
+    import fairseq_qknorm  # noqa: F401
 
     (model,), _, task = checkpoint_utils.load_model_ensemble_and_task([str(path)], arg_overrides={"data": str(data)})
     model.eval()
@@ -131,8 +202,8 @@ def independent_stats(path, data):
         src, tgt = dataset[i]["source"], dataset[i]["target"]
         prev = torch.cat([torch.tensor([eos]), tgt[:-1]])
         calls = {}
-        hooks = [m.register_forward_pre_hook(lambda m, a, kw, where=w: calls.__setitem__(where, kw), with_kwargs=True)
-                 for w, m in modules.items()]
+        hooks = [m.register_forward_pre_hook(lambda m, a, kw, where=w, calls=calls: calls.__setitem__(where, kw),
+                                             with_kwargs=True) for w, m in modules.items()]
         with torch.no_grad():
             model(src[None], torch.tensor([len(src)]), prev[None])
             for h in hooks:
@@ -153,8 +224,9 @@ def independent_stats(path, data):
 def test_attention_statistics_match_independent_computation(trained, baseline, capsys):
     data, save = trained
     qknorm = save / "checkpoint_last.pt"
-    report = inspect_json(capsys, baseline, qknorm, "--data", data, "--subset", "valid")["attention"]
+    report = inspect_json(capsys, "stats", baseline, qknorm, "--data", data, "--subset", "valid", "--cpu")
     assert [c["checkpoint"] for c in report["checkpoints"]] == [str(baseline), str(qknorm)]
+    assert [c["name"] for c in report["checkpoints"]] == [BASELINE, QKNORM]
     g = {k: v.item() for k, v in checkpoint_g(qknorm).items()}
     for run_, path in zip(report["checkpoints"], (baseline, qknorm)):
         expected, sentences = independent_stats(path, data)
@@ -174,7 +246,10 @@ def test_attention_statistics_match_independent_computation(trained, baseline, c
                 assert -bound - 1e-4 <= m["logit_min"] and m["logit_max"] <= bound + 1e-4
 
     inspect_cli.print_attention(report)
-    table = [line.split() for line in capsys.readouterr().out.splitlines()]
+    text = capsys.readouterr().out
+    assert f"[1] {BASELINE} ({baseline}, transformer)" in text.splitlines()
+    assert f"[2] {QKNORM} ({qknorm}, transformer_qknorm_paper)" in text.splitlines()
+    table = [line.split() for line in text.splitlines()]
     for base, qk in zip(*(c["modules"] for c in report["checkpoints"])):  # side by side, one row each
         assert [*base["module"].split(), str(base["layer"]), f"{base['entropy']:.3f}", f"{base['max_weight']:.3f}",
                 f"{100 * base['saturated']:.1f}%", f"{base['logit_min']:.2f}", "..", f"{base['logit_max']:.2f}",
@@ -192,13 +267,34 @@ def _png_size(path):
         return image.size
 
 
-def test_heatmaps_and_g_history_are_valid_pngs(trained, baseline, toy_bin, toy_raw, tmp_path, capsys):
+def _overlap(a, b):
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def _titles(fig):
+    """{panel title: its box} of every panel, after checking that no two titles overlap, nor the
+    figure's title, and that each lies inside the figure."""
+    boxes = {ax.get_title(): ax.title.get_window_extent() for ax in fig.axes if ax.get_title()}
+    figure = fig.bbox
+    for title, box in boxes.items():
+        assert figure.x0 <= box.x0 and box.x1 <= figure.x1, title
+        assert not _overlap(box, fig._suptitle.get_window_extent()), title
+        assert not any(_overlap(box, other) for t, other in boxes.items() if t != title), title
+    return boxes
+
+
+def test_heatmaps_name_each_system_and_are_valid_pngs(trained, baseline, toy_bin, toy_raw, tmp_path, capsys,
+                                                      monkeypatch):
     _, save = trained
     qknorm = save / "checkpoint_last.pt"
+    figures = []
+    save_png = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or save_png(fig, path))
     sentence = min((toy_raw / "test.src").read_text().splitlines(), key=len)  # few labels to draw
-    result = inspect_json(capsys, baseline, qknorm, "--sentence", sentence, "--spm", toy_bin / "spm.model",
-                          "--png-dir", tmp_path / "png")["heatmaps"]
-    assert result["target_from"].startswith("greedy") and result["target"]
+    heatmaps = ["heatmaps", baseline, qknorm, "--sentence", sentence, "--spm", toy_bin / "spm.model", "--cpu"]
+    result = inspect_json(capsys, *heatmaps, "--png-dir", tmp_path / "png")
+    assert result["names"] == [BASELINE, QKNORM]
+    assert result["target_from"] == f"greedy translation by {BASELINE}" and result["target"]
     assert [f["module"] for f in result["files"]] == ["encoder self", "decoder self", "decoder cross"]
     tokens = result["tokens"][0]
     n_src, n_tgt, layers = len(tokens["source"]), len(tokens["target"]), 2
@@ -209,11 +305,26 @@ def test_heatmaps_and_g_history_are_valid_pngs(trained, baseline, toy_bin, toy_r
                     round(layers * plots.panel_inches(queries[f["module"]]) * plots.DPI))
         assert _png_size(f["path"]) == expected == (f["width"], f["height"])
     assert not list((tmp_path / "png").glob("*.tmp"))
+    # Each panel: the system's name, then the part of its path that differs, then the layer.
+    for fig in figures:
+        titles = [" ".join(t.split()) for t in _titles(fig)]
+        assert titles == [f"{name} {path.parent.name} layer {layer}" for layer in range(layers)
+                          for name, path in ((BASELINE, baseline), (QKNORM, qknorm))]
 
-    history = inspect_json(capsys, "--g-history", save, "--png-dir", tmp_path / "png")["g_history"]
+    figures.clear()
+    result = inspect_json(capsys, *heatmaps, "--target", result["target"], "--png-dir", tmp_path / "named",
+                          "--labels", "stock", "paper system")
+    assert result["names"] == ["stock", "paper system"] and result["target_from"] == "given"
+    assert [" ".join(t.split()) for t in _titles(figures[0])][:2] == [f"stock {baseline.parent.name} layer 0",
+                                                                      f"paper system {qknorm.parent.name} layer 0"]
+
+
+def test_g_history_is_a_valid_png(trained, tmp_path, capsys):
+    _, save = trained
+    history = inspect_json(capsys, "g-history", save, "--png-dir", tmp_path / "png")
+    assert history["name"] == QKNORM
     w, h = plots.G_HISTORY_INCHES
     assert _png_size(history["file"]["path"]) == (round(w * plots.DPI), round(h * plots.DPI))
-    last = checkpoint_g(qknorm)
+    last = checkpoint_g(save / "checkpoint_last.pt")
     assert len(history["g"]) == len(last) == 6
     assert history["g"]["decoder cross 1"][-1] == last["decoder.layers.1.encoder_attn.qk_scale.g"].item()
-

@@ -1,28 +1,28 @@
 """fairseq-qknorm-inspect: look inside trained checkpoints.
 
-  fairseq-qknorm-inspect CKPT                          every learned temperature g, against g0 and 10-25
-  fairseq-qknorm-inspect CKPT [CKPT2] --data BIN       attention entropy, max weight, saturation, logits
-  fairseq-qknorm-inspect CKPT [CKPT2] --sentence TEXT --spm SPM --png-dir DIR    attention heatmaps
-  fairseq-qknorm-inspect --g-history CKPT_DIR --png-dir DIR                      g over training
+  fairseq-qknorm-inspect g CKPT [CKPT ...]                  every learned temperature g, against g0 and 10-25
+  fairseq-qknorm-inspect stats CKPT [CKPT2] --data BIN      attention entropy, max weight, saturation, logits
+  fairseq-qknorm-inspect heatmaps CKPT [CKPT2] --sentence TEXT --spm SPM --png-dir DIR   attention heatmaps
+  fairseq-qknorm-inspect g-history CKPT_DIR --png-dir DIR   g over training
 
-The g table reads only the checkpoint (no data, no model built). Statistics and heatmaps load the
-model(s) through fairseq and run them in eval mode with teacher forcing.
+`g` reads only the checkpoint (no data, no model built). `stats` and `heatmaps` load the model(s)
+through fairseq and run them in eval mode with teacher forcing. Every table and figure names each
+system from its checkpoint's config ("baseline: ScaleNorm, scaled dot product", "QKNorm: LayerNorm,
+l2 + learned g"); --labels NAME ... replaces those names.
 """
 import argparse
 import glob
 import json
-import logging
 import os
 import statistics
-import sys
 import warnings
+
+from .files import fail
+from .logs import setup_logging
 
 G_SUFFIX = ".qk_scale.g"
 G_RANGE = (10.0, 25.0)  # g read off trained QKNorm heads by Bricken & Pehlevan (2021)
-
-
-def fail(message):
-    sys.exit(f"error: {message}")
+NORM_NAMES = {"layernorm": "LayerNorm", "scalenorm": "ScaleNorm"}
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -31,10 +31,9 @@ def fail(message):
 def load_checkpoint(path):
     """The checkpoint as a dict, loaded with weights_only=True (the plugin allow-lists fairseq's
     few non-tensor classes on import)."""
-    if not os.path.isfile(path):
-        fail(f"no such checkpoint: {path}")
-    import fairseq_qknorm  # noqa: F401
     import torch
+
+    import fairseq_qknorm  # noqa: F401
 
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -55,16 +54,38 @@ def num_updates(state):
     return history[-1].get("num_updates")
 
 
-def describe_attention(model_cfg):
-    qk_norm, qk_scale = getattr(model_cfg, "qk_norm", None), getattr(model_cfg, "qk_scale", None)
-    if qk_scale in (None, "none"):
-        scaled = "scaled dot product"
-        return scaled if qk_norm in (None, "none") else f"{qk_norm}-normalized q,k, {scaled}"
-    return f"QKNorm ({qk_norm} q,k, {qk_scale} g)"
+def system_name(model_cfg):
+    """What a reader compares, from the model config: "baseline: ScaleNorm, scaled dot product",
+    "QKNorm: LayerNorm, l2 + learned g". fairseq's stock transformer has none of these options:
+    LayerNorm and scaled dot product."""
+    qk_norm = getattr(model_cfg, "qk_norm", None) or "none"
+    qk_scale = getattr(model_cfg, "qk_scale", None) or "none"
+    norm = getattr(model_cfg, "norm_type", None) or "layernorm"
+    norm = NORM_NAMES.get(norm, norm)
+    if qk_scale == "none":
+        if qk_norm == "none":
+            return f"baseline: {norm}, scaled dot product"
+        return f"QKNorm: {norm}, {qk_norm}, scaled dot product"
+    per_head = " per head" if getattr(model_cfg, "qk_scale_per_head", False) else ""
+    return f"QKNorm: {norm}, {qk_norm} + {qk_scale} g{per_head}"
 
 
-def temperatures(path, state):
-    """Every g of one checkpoint, with its g0 and L, as a JSON-ready dict."""
+def distinct_parts(paths):
+    """The part of each path that tells it from the others: "baseline" and "qknorm" for
+    runs/baseline/checkpoints/checkpoint_best.pt and runs/qknorm/checkpoints/checkpoint_best.pt.
+    A single path (or the same one twice) is kept whole."""
+    split = [os.path.normpath(p).split(os.sep) for p in paths]
+    if len({tuple(s) for s in split}) < 2:
+        return list(paths)
+    head = len(os.path.commonprefix(split))
+    tail = len(os.path.commonprefix([s[::-1] for s in split]))
+    tail = min(tail, min(map(len, split)) - head - 1)  # each keeps at least one component
+    return [os.sep.join(s[head:len(s) - tail]) for s in split]
+
+
+def temperatures(path, state, name=None):
+    """Every g of one checkpoint, with its g0 and L, as a JSON-ready dict; name: the system's
+    name (default: from the checkpoint's config)."""
     from fairseq_qknorm.length_prior import length_from_g0
 
     from .attention_stats import attention_module, sort_key
@@ -83,8 +104,8 @@ def temperatures(path, state):
             rows.append({"module": where[0], "layer": where[1], "head": head if per_head else None, "g": g})
     if not rows:
         fail(f"{path} has no QKNorm temperature g (no '*{G_SUFFIX}' parameter; "
-             f"arch {getattr(cfg, 'arch', '?')}, attention: {describe_attention(cfg)}); "
-             "--data gives attention statistics for any checkpoint")
+             f"arch {getattr(cfg, 'arch', '?')}, {system_name(cfg)}); "
+             "`fairseq-qknorm-inspect stats` gives attention statistics for any checkpoint")
     rows.sort(key=lambda r: (sort_key((r["module"], r["layer"])), r["head"] or 0))
     g0 = getattr(cfg, "qk_scale_init", None)
     g0 = float(g0) if isinstance(g0, (int, float)) else None  # 'auto' only in pre-build configs
@@ -92,6 +113,7 @@ def temperatures(path, state):
     low, high = G_RANGE
     return {
         "checkpoint": path,
+        "name": name or system_name(cfg),
         "arch": getattr(cfg, "arch", None),
         "num_updates": num_updates(state),
         "qk_norm": getattr(cfg, "qk_norm", None),
@@ -108,8 +130,8 @@ def temperatures(path, state):
 
 def print_temperatures(t):
     g0 = t["g0"]
-    print(f"{t['checkpoint']}: {t['arch']}, {t['num_updates']} updates, qk-norm {t['qk_norm']}, "
-          f"qk-scale {t['qk_scale']}, one g per {'head' if t['per_head'] else 'attention module'}")
+    print(f"{t['name']} ({t['checkpoint']}): {t['arch']}, {t['num_updates']} updates, "
+          f"one g per {'head' if t['per_head'] else 'attention module'}")
     if t["qk_scale"] == "fixed":  # a constant, not derived from a length: nothing learned to show
         print(f"g = {g0:.4f} in every module, fixed (--qk-scale fixed --qk-scale-init {g0:g}): not learned")
         return
@@ -146,12 +168,9 @@ def print_table(rows, left):
 def load_model(path, data, device):
     """(model in eval mode, its config, task) through fairseq's own loader; data overrides the
     checkpoint's data path."""
-    if not os.path.isfile(path):
-        fail(f"no such checkpoint: {path}")
-    if data is not None and not os.path.isdir(data):
-        fail(f"--data: no such directory: {data}")
-    import fairseq_qknorm  # noqa: F401  registers the model and allow-lists checkpoint classes
     from fairseq import checkpoint_utils
+
+    import fairseq_qknorm  # noqa: F401  registers the model and allow-lists checkpoint classes
 
     try:
         models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(
@@ -160,10 +179,6 @@ def load_model(path, data, device):
         where = "--data" if data is not None else f"{path} (its training data; pass --data)"
         fail(f"{where}: {e}")
     return models[0].to(device).eval(), cfg.model, task
-
-
-def checkpoint_label(index, path, model_cfg):
-    return f"[{index}] {path} ({getattr(model_cfg, 'arch', '?')}, {describe_attention(model_cfg)})"
 
 
 def subset_statistics(model, task, subset, max_tokens):
@@ -200,11 +215,12 @@ def attention_report(args, device):
     from .attention_stats import SATURATION, sort_key
 
     runs = []
-    for index, path in enumerate(args.checkpoints, 1):
+    for index, path in enumerate(args.checkpoints):
         model, cfg, task = load_model(path, args.data, device)
         stats, sentences = subset_statistics(model, task, args.subset, args.max_tokens)
         runs.append({
-            "checkpoint": path, "label": checkpoint_label(index, path, cfg), "sentences": sentences,
+            "checkpoint": path, "name": args.labels[index] if args.labels else system_name(cfg),
+            "arch": getattr(cfg, "arch", None), "sentences": sentences,
             "modules": [{"module": w[0], "layer": w[1], **stats[w].summary()} for w in sorted(stats, key=sort_key)],
         })
     return {"data": args.data, "subset": args.subset, "saturation_threshold": SATURATION, "checkpoints": runs}
@@ -217,8 +233,8 @@ def print_attention(report):
     print("per module, over heads and query rows (real tokens with at least two keys to choose from): mean "
           "entropy (nats), mean maximum weight (max w), share of rows with maximum weight > "
           f"{report['saturation_threshold']:g} (saturated), range of the pre-softmax logits")
-    for run in runs:
-        print(run["label"])
+    for index, run in enumerate(runs, 1):
+        print(f"[{index}] {run['name']} ({run['checkpoint']}, {run['arch']})")
     keys = []
     for run in runs:
         keys += [(m["module"], m["layer"]) for m in run["modules"] if (m["module"], m["layer"]) not in keys]
@@ -274,27 +290,26 @@ def heatmaps(args, device):
     from . import plots
     from .attention_stats import KINDS, sentence_attention
 
-    if not os.path.isfile(args.spm):
-        fail(f"--spm: no such sentencepiece model: {args.spm}")
     sp = spm.SentencePieceProcessor(model_file=args.spm)
-    loaded = [(path, *load_model(path, args.data, device)) for path in args.checkpoints]
+    loaded = [load_model(path, args.data, device) for path in args.checkpoints]
+    names = args.labels or [system_name(cfg) for _, cfg, _ in loaded]
+    # Panel titles: the name, and the part of the path that tells the checkpoints apart.
+    labels = [f"{name}\n{part}" for name, part in zip(names, distinct_parts(args.checkpoints))]
     target_text, target_from = args.target, "given"
     if target_text is None:  # the first checkpoint's greedy translation, the same target for all
-        _, model, _, task = loaded[0]
+        model, _, task = loaded[0]
         src = encode(sp, task.source_dictionary, args.sentence).to(device)
         out = greedy_translation(model, src, task.target_dictionary)
         target_text = sp.decode([task.target_dictionary[i] for i in out[:-1].tolist()])
-        target_from = "greedy translation by [1]"
-    maps, labels = [], []
-    for index, (path, model, cfg, task) in enumerate(loaded, 1):
+        target_from = f"greedy translation by {names[0]}"
+    maps = []
+    for model, _, task in loaded:
         src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
         src, tgt = encode(sp, src_dict, args.sentence).to(device), encode(sp, tgt_dict, target_text).to(device)
         prev = torch.cat([tgt.new_tensor([tgt_dict.eos()]), tgt[:-1]])  # teacher forcing input
         tokens = {"source": [src_dict[i] for i in src.tolist()], "target": [tgt_dict[i] for i in tgt.tolist()],
                   "decoder input": [tgt_dict[i] for i in prev.tolist()]}
         maps.append((sentence_attention(model, src, prev), tokens))
-        labels.append(f"[{index}] {os.path.basename(os.path.dirname(os.path.abspath(path)))}/"
-                      f"{os.path.basename(path)}: {describe_attention(cfg)}")
     os.makedirs(args.png_dir, exist_ok=True)
     files = []
     for kind in KINDS:
@@ -308,7 +323,7 @@ def heatmaps(args, device):
         path = os.path.join(args.png_dir, f"attention_{kind.replace(' ', '_')}.png")
         files.append({"module": kind, **plots.attention_heatmaps(path, kind, title, panels)})
     return {"sentence": args.sentence, "target": target_text, "target_from": target_from,
-            "checkpoints": labels, "tokens": [t for _, t in maps], "files": files}
+            "checkpoints": args.checkpoints, "names": names, "tokens": [t for _, t in maps], "files": files}
 
 
 def _panel(kind, layer, maps, tokens, label):
@@ -325,9 +340,9 @@ def _panel(kind, layer, maps, tokens, label):
 def g_history(args):
     from . import plots
 
-    paths = sorted(glob.glob(os.path.join(args.g_history, "checkpoint*.pt")))
+    paths = sorted(glob.glob(os.path.join(args.directory, "checkpoint*.pt")))
     if not paths:
-        fail(f"--g-history: no checkpoint*.pt in {args.g_history}")
+        fail(f"{args.directory}: no checkpoint*.pt in it")
     points = {}
     for path in paths:
         t = temperatures(path, load_checkpoint(path))
@@ -341,92 +356,117 @@ def g_history(args):
             label = f"{r['module']} {r['layer']}" + ("" if r["head"] is None else f" head {r['head']}")
             series.setdefault(label, (r["module"], r["layer"], []))[2].append(r["g"])
     if any(len(values) != len(updates) for _, _, values in series.values()):
-        fail(f"--g-history: the checkpoints in {args.g_history} do not all have the same modules")
+        fail(f"{args.directory}: its checkpoints do not all have the same modules")
     last = points[updates[-1]]
-    title = (f"learned temperature g over training: {os.path.abspath(args.g_history)}\n"
-             f"{last['arch']}, qk-norm {last['qk_norm']}, {len(updates)} checkpoints")
+    name = args.labels[0] if args.labels else last["name"]
+    title = (f"learned temperature g over training: {name}\n"
+             f"{args.directory}, {last['arch']}, {len(updates)} checkpoints")
     os.makedirs(args.png_dir, exist_ok=True)
     png = plots.g_history(os.path.join(args.png_dir, "g_history.png"), title, updates, series, last["g0"], G_RANGE)
-    return {"directory": args.g_history, "updates": updates, "g0": last["g0"],
+    return {"directory": args.directory, "name": name, "updates": updates, "g0": last["g0"],
             "g": {label: values for label, (_, _, values) in series.items()}, "file": png}
 
 
 # ----------------------------------------------------------------------------- command line
 
 
+def existing(kind):
+    """An argparse type: the path, if it is an existing file or directory; so that a wrong path is
+    said before any model is loaded."""
+    check = os.path.isfile if kind == "file" else os.path.isdir
+
+    def path(value):
+        if not check(value):
+            raise argparse.ArgumentTypeError(f"no such {kind}: {value}")
+        return value
+
+    return path
+
+
 def parse_args(argv):
     summary, usage = __doc__.split("\n", 1)
     parser = argparse.ArgumentParser(prog="fairseq-qknorm-inspect", description=summary, epilog=usage,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoints", nargs="*", metavar="CHECKPOINT",
-                        help="fairseq checkpoint(s); with --data or --sentence, two are shown side by side "
-                             "(e.g. baseline and QKNorm)")
-    parser.add_argument("--data", metavar="DATA_BIN",
-                        help="binarized data: attention statistics on its --subset (also the dictionaries "
-                             "for --sentence; default there: the data path saved in the checkpoint)")
-    parser.add_argument("--subset", default="valid", help="split of --data for the statistics (default: valid)")
-    parser.add_argument("--max-tokens", type=int, default=4000, help="batch size in tokens (default: 4000)")
-    parser.add_argument("--sentence", metavar="TEXT", help="draw attention heatmaps for this source sentence")
-    parser.add_argument("--target", metavar="TEXT",
-                        help="its target, for teacher forcing (default: greedy translation by the first checkpoint)")
-    parser.add_argument("--spm", metavar="SPM_MODEL", help="sentencepiece model that encodes --sentence/--target")
-    parser.add_argument("--g-history", metavar="CKPT_DIR", help="plot g over training from CKPT_DIR/checkpoint*.pt")
-    parser.add_argument("--png-dir", metavar="DIR", help="where the PNG figures go")
-    parser.add_argument("--cpu", action="store_true", help="run the model on the CPU even if a GPU is available")
-    parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--labels", nargs="+", metavar="NAME",
+                        help="one name per checkpoint for tables and figures (default: from each "
+                             "checkpoint's config, e.g. 'QKNorm: LayerNorm, l2 + learned g')")
+    common.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    model = argparse.ArgumentParser(add_help=False)  # stats and heatmaps: checkpoints side by side, run
+    model.add_argument("checkpoint", type=existing("file"), metavar="CKPT", help="fairseq checkpoint")
+    model.add_argument("checkpoint2", type=existing("file"), metavar="CKPT2", nargs="?",
+                       help="a second checkpoint, shown beside the first (e.g. QKNorm beside the baseline)")
+    model.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is available")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    g = commands.add_parser("g", parents=[common], help="the learned g of every attention module against g0")
+    g.add_argument("checkpoints", type=existing("file"), nargs="+", metavar="CKPT", help="fairseq checkpoint(s)")
+
+    stats = commands.add_parser("stats", parents=[common, model],
+                                help="attention entropy, max weight, saturation and logits on a data split")
+    stats.add_argument("--data", type=existing("directory"), required=True, metavar="DATA_BIN",
+                       help="binarized data (fairseq-preprocess output)")
+    stats.add_argument("--subset", default="valid", help="split of --data (default: valid)")
+    stats.add_argument("--max-tokens", type=int, default=4000, help="batch size in tokens (default: 4000)")
+
+    heatmaps = commands.add_parser("heatmaps", parents=[common, model], help="attention heatmaps of one sentence")
+    heatmaps.add_argument("--sentence", required=True, metavar="TEXT", help="the source sentence")
+    heatmaps.add_argument("--target", metavar="TEXT",
+                          help="its target, for teacher forcing (default: greedy translation by CKPT)")
+    heatmaps.add_argument("--spm", type=existing("file"), required=True, metavar="SPM_MODEL",
+                          help="sentencepiece model that encodes --sentence and --target")
+    heatmaps.add_argument("--data", type=existing("directory"), metavar="DATA_BIN",
+                          help="the dictionaries (default: the data path saved in the checkpoint)")
+    heatmaps.add_argument("--png-dir", required=True, metavar="DIR", help="where the PNG figures go")
+
+    history = commands.add_parser("g-history", parents=[common], help="plot g over training")
+    history.add_argument("directory", type=existing("directory"), metavar="CKPT_DIR",
+                         help="a --save-dir: plots g of every CKPT_DIR/checkpoint*.pt")
+    history.add_argument("--png-dir", required=True, metavar="DIR", help="where the PNG figure goes")
+
     args = parser.parse_args(argv)
-    if not args.checkpoints and not args.g_history:
-        parser.error("give a CHECKPOINT, or --g-history CKPT_DIR")
-    if args.sentence is not None and not args.spm:
-        parser.error("--sentence needs --spm SPM_MODEL")
-    if (args.sentence is not None or args.g_history) and not args.png_dir:
-        parser.error("--sentence and --g-history need --png-dir DIR")
-    if args.sentence is None and args.target is not None:
-        parser.error("--target needs --sentence")
-    if not args.checkpoints and (args.data or args.sentence is not None):
-        parser.error("--data and --sentence need a CHECKPOINT")
+    if args.command in ("stats", "heatmaps"):
+        args.checkpoints = [c for c in (args.checkpoint, args.checkpoint2) if c is not None]
+    # The one rule argparse cannot say: one name per system.
+    what, systems = ("CKPT_DIR", 1) if args.command == "g-history" else ("CKPT", len(args.checkpoints))
+    if args.labels and len(args.labels) != systems:
+        commands.choices[args.command].error(f"--labels: {len(args.labels)} given for {systems} {what}")
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
-    # Before fairseq is imported: its log lines as fairseq's commands print them, and at INFO (an
-    # import of fairseq otherwise leaves the root logger at DEBUG, and matplotlib then floods).
-    logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
-                        datefmt="%Y-%m-%d %H:%M:%S", level=logging.INFO, stream=sys.stderr)
-    if args.png_dir:
+    setup_logging()  # before fairseq is imported
+    if "png_dir" in args:
         from .plots import require_matplotlib
 
         require_matplotlib()
-    result = {}
-    if args.checkpoints and args.data is None and args.sentence is None:
-        result["temperatures"] = [temperatures(path, load_checkpoint(path)) for path in args.checkpoints]
-    if args.data is not None or args.sentence is not None:
+    if args.command == "g":
+        names = args.labels or [None] * len(args.checkpoints)
+        result = [temperatures(path, load_checkpoint(path), name) for path, name in zip(args.checkpoints, names)]
+    elif args.command == "g-history":
+        result = g_history(args)
+    else:
         import torch
 
         device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
-        if args.data is not None:
-            result["attention"] = attention_report(args, device)
-        if args.sentence is not None:
-            result["heatmaps"] = heatmaps(args, device)
-    if args.g_history:
-        result["g_history"] = g_history(args)
+        result = (attention_report if args.command == "stats" else heatmaps)(args, device)
 
     if args.json:
         print(json.dumps(result, indent=2))
-        return
-    for i, t in enumerate(result.get("temperatures", [])):
-        print("\n" * (i > 0), end="")
-        print_temperatures(t)
-    if "attention" in result:
-        print_attention(result["attention"])
-    for f in result.get("heatmaps", {}).get("files", []):
-        print(f"wrote {f['path']} ({f['width']}x{f['height']})")
-    if "g_history" in result:
-        h = result["g_history"]
-        print(f"wrote {h['file']['path']} ({h['file']['width']}x{h['file']['height']}): g of {len(h['g'])} "
-              f"{'heads' if any('head' in k for k in h['g']) else 'modules'} at updates "
-              f"{', '.join(map(str, h['updates']))}")
+    elif args.command == "g":
+        for i, t in enumerate(result):
+            print("\n" * (i > 0), end="")
+            print_temperatures(t)
+    elif args.command == "stats":
+        print_attention(result)
+    elif args.command == "heatmaps":
+        for f in result["files"]:
+            print(f"wrote {f['path']} ({f['width']}x{f['height']})")
+    else:
+        print(f"wrote {result['file']['path']} ({result['file']['width']}x{result['file']['height']}): "
+              f"g of {len(result['g'])} {'heads' if any('head' in k for k in result['g']) else 'modules'} "
+              f"at updates {', '.join(map(str, result['updates']))}")
 
 
 if __name__ == "__main__":
