@@ -7,6 +7,8 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${VENV:-$ROOT/.venv}
 export PATH="$VENV/bin:$PATH"
 export PYTHONUNBUFFERED=1
+# The recipes' Python (data checks, results, reports) is the repository's experiments/ package.
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 CACHE_DIR=${CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/fairseq-qknorm}
 
 log() { echo "| $(date -u +%H:%M:%S) $*" >&2; }
@@ -99,15 +101,14 @@ setup_work() {
 # step whose output it reads; "-" for none), so redoing a step redoes what was built from it.
 # Functions write to temporary names and rename when complete: a step killed half-way leaves no
 # stamp and is redone, never trusted (training resumes from its last complete checkpoint).
-# FUNCTION sees the signature as STEP_SIGNATURE.
+# FUNCTION sees the signature as STEP_SIGNATURE. A function whose result depends on settings beyond
+# its arguments names them in FUNCTION_settings (see train_arm_settings).
 # ---------------------------------------------------------------------------------------------
 declare -A SIGNATURES
 step() {
     local name=$1 after=$2; shift 2
     local stamp="$WORK/stamps/$name" settings="BPE_SIZE=$BPE_SIZE"
-    [ "$1" = train_arm ] && settings+=" $MODEL_FLAGS $MAX_TOKENS $WARMUP $MAX_UPDATE $STOP_HOURS $VALID_EPOCHS $VALID_UPDATES $LR $STOP_MIN_LR ${EXTRA_TRAIN_FLAGS:-}"
-    # A process count other than 1 batches differently; 1 adds nothing, so older stamps stay valid.
-    [ "$1" = train_arm ] && [ "${NPROC:-1}" != 1 ] && settings+=" NPROC=$NPROC"
+    if declare -F "$1_settings" > /dev/null; then settings+=" $("$1_settings")"; fi
     local signature lock
     signature=$(printf '%s\n' "${SIGNATURES[$after]:-}" "$*" "$settings" | sha1sum | cut -c1-16)
     # Two runs on one WORK (say, one per arm or seed) must not do a step at the same time: measured,
@@ -230,12 +231,12 @@ get_raw_data() {
         else
             fetch "$TED_URL" "$archive" check_ted_archive
         fi
-        run_logged python -m fairseq_qknorm_cli.ted "$archive" --src "$SRC" --tgt "$TGT" --out "$text" >&2
+        run_logged python -m experiments.ted "$archive" --src "$SRC" --tgt "$TGT" --out "$text" >&2
     fi
     # Every source goes through the same checks: invalid UTF-8, unequal line counts and a carriage
     # return inside a line are errors naming the file (and line); a pair with an empty side is dropped
-    # from train (counted) and an error in dev/test (fairseq_qknorm_cli/check_text.py says why).
-    run_logged python -m fairseq_qknorm_cli.check_text "$text" --src "$SRC" --tgt "$TGT" --out "$tmp/checked" \
+    # from train (counted) and an error in dev/test (experiments/check_text.py says why).
+    run_logged python -m experiments.check_text "$text" --src "$SRC" --tgt "$TGT" --out "$tmp/checked" \
         | while IFS= read -r line; do log "$line"; done
     rm -rf "$out"; mv "$tmp/checked" "$out"; rm -rf "$tmp"
 }
@@ -307,8 +308,15 @@ set_processes() {
 # renamed when training has finished; the wall time goes to DIR/train_seconds. A training killed
 # half-way resumes, when its step is rerun with the same signature, from checkpoints.tmp/
 # checkpoint_last.pt: fairseq restores model, optimizer, schedule and data position, and its files
-# under final names are complete (fairseq_qknorm/atomic_checkpoint_copy.py); train.log goes on.
+# under final names are complete (fairseq_qknorm/fairseq_patches.py); train.log goes on.
 # ---------------------------------------------------------------------------------------------
+train_arm_settings() {
+    local settings="$MODEL_FLAGS $MAX_TOKENS $WARMUP $MAX_UPDATE $STOP_HOURS $VALID_EPOCHS $VALID_UPDATES $LR $STOP_MIN_LR ${EXTRA_TRAIN_FLAGS:-}"
+    # A process count other than 1 batches differently; 1 adds nothing, so older stamps stay valid.
+    [ "${NPROC:-1}" = 1 ] || settings+=" NPROC=$NPROC"
+    echo "$settings"
+}
+
 train_arm() {
     local dir=$1 arch=$2; shift 2
     local seed=${dir##*seed}
@@ -336,7 +344,7 @@ train_arm() {
         --source-lang "$SRC" --target-lang "$TGT" \
         --optimizer adam --clip-norm 1.0 --lr "$LR" \
         --lr-scheduler reduce_lr_on_plateau --lr-shrink 0.8 --lr-patience 3 \
-        --warmup-updates "$WARMUP" --warmup-init-lr "$(python -c "print($STOP_MIN_LR * 1.01)")" --stop-min-lr "$STOP_MIN_LR" \
+        --warmup-updates "$WARMUP" --warmup-init-lr "$(awk -v lr="$STOP_MIN_LR" 'BEGIN { print lr * 1.01 }')" --stop-min-lr "$STOP_MIN_LR" \
         --criterion label_smoothed_cross_entropy --label-smoothing 0.1 \
         --max-tokens "$RANK_MAX_TOKENS" --required-batch-size-multiple 1 --skip-invalid-size-inputs-valid-test \
         --eval-bleu --eval-bleu-args "{\"beam\": $BEAM, \"lenpen\": $LENPEN, \"max_len_a\": 1, \"max_len_b\": $MAX_LEN_B}" --eval-bleu-remove-bpe sentencepiece \
@@ -351,9 +359,9 @@ train_arm() {
         | while IFS= read -r line; do log "warning: fairseq-train: $line (longer than the model allows)"; done
     echo $((SECONDS - start)) > "$dir/train_seconds"
     mv "$dir/checkpoints.tmp" "$dir/checkpoints"
-    if [ -f "$ROOT/fairseq_qknorm_cli/inspect.py" ] && grep -q -- "--qk-norm\|qknorm_paper" <<< "$arch $*"; then
+    if [[ $arch == transformer_qknorm* && " $* " != *" --qk-scale none "* ]]; then
         # The learned g per attention module; informative only: a failure here must not stop the run.
-        if fairseq-qknorm-inspect "$dir/checkpoints/checkpoint_best.pt" > "$dir/inspect.txt" 2> "$dir/inspect.log"; then
+        if fairseq-qknorm-inspect g "$dir/checkpoints/checkpoint_best.pt" > "$dir/inspect.txt" 2> "$dir/inspect.log"; then
             cat "$dir/inspect.txt" >&2
         else
             rm -f "$dir/inspect.txt"
@@ -402,7 +410,7 @@ run_arms() {
         SIGNATURES[$run.seed$seed.hyps]=$scored_after
         step "$run.seed$seed.score" "$run.seed$seed.hyps" score_systems "$WORK/$run/seed$seed" "${systems[@]}"
     done
-    python -m fairseq_qknorm_cli.results pair "$WORK" "$run" --pair "$PAIR" --preset "$PRESET" \
+    python -m experiments.results pair "$WORK" "$run" --pair "$PAIR" --preset "$PRESET" \
         --seeds $SEEDS --arms "${@%%:*}"
 }
 

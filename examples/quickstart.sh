@@ -12,4 +12,4 @@ if [ "$PAIR" = toy ]; then export PRESET=${PRESET:-toy}; else export PRESET=${PR
 bash examples/ted/run.sh "$PAIR"
 echo
 echo "All finished runs under ${WORK:-work/}:"
-.venv/bin/python -m fairseq_qknorm_cli.results table "${WORK:-work}"
+.venv/bin/python -m experiments.results table "${WORK:-work}"

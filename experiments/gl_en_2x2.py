@@ -5,8 +5,8 @@
     python -m experiments.gl_en_2x2 record RECORDS --arm-dir DIR --norm N --attention A --seed S --data DATA_DIR
         scores DIR/test.hyp against DATA_DIR/test.en, copies it into RECORDS and appends one entry
         to RECORDS/runs.json (under a lock: two runs finish at the same time)
-    python -m experiments.gl_en_2x2 report RECORDS
-        writes RECORDS/README.md and RECORDS/dev-curves.png from runs.json
+    python -m experiments.gl_en_2x2 report RECORDS --data DATA_DIR
+        writes RECORDS/README.md and RECORDS/dev-curves.png from runs.json and the hypotheses
 
 A record holds what the report needs: test BLEU (sacrebleu, --tokenize none, the paper's tokenized
 BLEU on the Moses-tokenized release) and chrF, the dev curve from fairseq-train's log, the learned g
@@ -18,17 +18,15 @@ import fcntl
 import hashlib
 import json
 import os
-import re
 import shutil
-import sys
 from contextlib import contextmanager
+
+from fairseq_qknorm_cli.files import atomic_path, fail, write_text
+
+from experiments.fairseq_logs import parse_train_log
 
 CELLS = (("scalenorm", "dot"), ("scalenorm", "qknorm"), ("layernorm", "dot"), ("layernorm", "qknorm"))
 SRC, TGT = "gl", "en"
-
-
-def fail(message):
-    sys.exit(f"error: {message}")
 
 
 def hyp_name(norm, attention, seed):
@@ -49,10 +47,7 @@ def read_runs(records):
 def write_runs(records, runs):
     path = os.path.join(records, "runs.json")
     runs = sorted(runs, key=lambda r: (r["seed"], CELLS.index((r["norm"], r["attention"]))))
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(runs, f, indent=1)
-        f.write("\n")
-    os.replace(path + ".tmp", path)
+    write_text(path, json.dumps(runs, indent=1) + "\n")
 
 
 @contextmanager
@@ -77,28 +72,6 @@ def pending(records, seeds):
     return [(n, a, s) for s in seeds for n, a in CELLS if (n, a, s) not in done]
 
 
-def train_log(path):
-    """Updates, parameters, g0 and the dev curve (updates, loss, BLEU) from fairseq-train's log."""
-    from fairseq_qknorm_cli.results import parse_valid_line
-
-    out = {"updates": None, "params": None, "L": None, "g0": None, "dev": []}
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            valid = parse_valid_line(line)
-            if valid:
-                out["dev"].append(list(valid))
-            m = re.search(r"num_updates[ =](\d+)", line)
-            if m:
-                out["updates"] = int(m.group(1))
-            m = re.search(r"num\. (?:shared )?model params: ([\d,]+)", line)
-            if m:
-                out["params"] = int(m.group(1).replace(",", ""))
-            m = re.search(r"qk-norm: L=(\d+) .* g0=log2\(L\^2-L\)=([\d.]+)", line)
-            if m:
-                out["L"], out["g0"] = int(m.group(1)), float(m.group(2))
-    return out
-
-
 def learned_g(checkpoint):
     """{module name: g} of every attention module (empty for scaled dot product)."""
     import torch
@@ -112,7 +85,7 @@ def learned_g(checkpoint):
 
 
 def train_command(commands_path, arm_dir):
-    from fairseq_qknorm_cli.results import _train_command as find, read_commands
+    from experiments.results import read_commands, train_command as find
 
     return find(read_commands(commands_path), arm_dir)
 
@@ -126,7 +99,7 @@ def record(args):
         scores = {tok: score_systems(ref, [hyp], tokenize=tok)["systems"][0] for tok in ("none", "13a")}
     except ScoreError as e:
         fail(str(e))
-    log = train_log(os.path.join(args.arm_dir, "train.log"))
+    log = parse_train_log(os.path.join(args.arm_dir, "train.log"))
     if not log["dev"]:
         fail(f"{args.arm_dir}/train.log: no validation with BLEU (did fairseq-train finish?)")
     with open(os.path.join(args.arm_dir, "train_seconds")) as f:
@@ -155,8 +128,8 @@ def record(args):
             if other["data_sha1"] != entry["data_sha1"]:
                 fail(f"{args.data}: not the data of the runs recorded in {args.records}/runs.json "
                      f"(sha1 of the files differ); use another RECORDS folder")
-        shutil.copyfile(hyp, os.path.join(args.records, entry["hyp"] + ".tmp"))
-        os.replace(os.path.join(args.records, entry["hyp"] + ".tmp"), os.path.join(args.records, entry["hyp"]))
+        with atomic_path(os.path.join(args.records, entry["hyp"])) as tmp:
+            shutil.copyfile(hyp, tmp)
         runs = [r for r in runs if (r["norm"], r["attention"], r["seed"]) != (args.norm, args.attention, args.seed)]
         write_runs(args.records, runs + [entry])
     print(f"{args.norm} + {args.attention}, seed {args.seed}: test BLEU {entry['test_bleu']:.2f}, "
@@ -181,6 +154,7 @@ def main(argv=None):
     r.add_argument("--commands", help="the recipe's WORK/commands.sh (for the training command)")
     t = sub.add_parser("report")
     t.add_argument("records")
+    t.add_argument("--data", required=True, help="the plain-text corpus the runs were scored on (its test.en)")
     args = parser.parse_args(argv)
     if args.command == "pending":
         for norm, attention, seed in pending(args.records, args.seeds):
@@ -190,7 +164,7 @@ def main(argv=None):
     else:
         from experiments.gl_en_2x2_report import write_report
 
-        write_report(args.records)
+        write_report(args.records, args.data)
 
 
 if __name__ == "__main__":

@@ -108,6 +108,8 @@ class AttentionStats:
     saturated_rows: int = 0
     logit_min: float = math.inf
     logit_max: float = -math.inf
+    head_rows: Optional[Tensor] = None  # per head: rows, and the sum of their entropies
+    head_entropy_sum: Optional[Tensor] = None
 
     def add(self, weights: Tensor, logits: Tensor, query_valid: Tensor, key_valid: Tensor) -> None:
         """weights, logits: (batch, heads, tgt, src); query_valid (batch, tgt), key_valid (batch, src)."""
@@ -118,9 +120,14 @@ class AttentionStats:
         # would count as saturated whatever the model learned.
         rows = query_valid[:, None, :] & (real_keys.sum(dim=-1) >= 2)  # (batch, heads, tgt)
         # Masked keys have weight exactly 0, and xlogy(0, 0) = 0: they add nothing to the entropy.
-        entropy = -torch.special.xlogy(weights, weights).sum(dim=-1)[rows]
+        entropy_all = -torch.special.xlogy(weights, weights).sum(dim=-1)
+        entropy = entropy_all[rows]
         max_weight = weights.max(dim=-1).values[rows]
         self.rows += int(rows.sum())
+        head_rows = rows.sum(dim=(0, 2)).double()
+        head_entropy = (entropy_all * rows).sum(dim=(0, 2)).double()
+        self.head_rows = head_rows if self.head_rows is None else self.head_rows + head_rows
+        self.head_entropy_sum = head_entropy if self.head_entropy_sum is None else self.head_entropy_sum + head_entropy
         self.entropy_sum += float(entropy.double().sum())
         self.max_weight_sum += float(max_weight.double().sum())
         self.saturated_rows += int((max_weight > SATURATION).sum())
@@ -128,6 +135,10 @@ class AttentionStats:
         if real.any():
             self.logit_min = min(self.logit_min, float(logits[real].min()))
             self.logit_max = max(self.logit_max, float(logits[real].max()))
+
+    def min_head_entropy(self) -> float:
+        """The smallest per-head mean entropy (nats): the most concentrated head."""
+        return float((self.head_entropy_sum / self.head_rows.clamp_min(1)).min())
 
     def summary(self) -> Dict[str, float]:
         n = max(self.rows, 1)

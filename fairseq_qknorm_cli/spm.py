@@ -4,9 +4,7 @@ import argparse
 import os
 import sys
 
-
-def _fail(message):
-    sys.exit(f"error: {message}")
+from .files import fail
 
 
 def train_main(argv=None):
@@ -24,7 +22,7 @@ def train_main(argv=None):
     inputs = args.input.split(",")
     for path in inputs:
         if not os.path.isfile(path):
-            _fail(f"--input: no such file: {path}")
+            fail(f"--input: no such file: {path}")
     spm.set_random_generator_seed(args.seed)
     tmp_prefix = args.model_prefix + ".tmp"
     try:
@@ -40,7 +38,7 @@ def train_main(argv=None):
             minloglevel=1,
         )
     except RuntimeError as e:
-        _fail(f"sentencepiece training failed: {str(e).strip().splitlines()[-1]}")
+        fail(f"sentencepiece training failed: {str(e).strip().splitlines()[-1]}")
     for ext in (".model", ".vocab"):  # complete files only: a killed run leaves nothing behind
         os.replace(tmp_prefix + ext, args.model_prefix + ext)
 
@@ -49,7 +47,7 @@ def _load(model_path):
     import sentencepiece as spm
 
     if not os.path.isfile(model_path):
-        _fail(f"--model: no such sentencepiece model: {model_path}")
+        fail(f"--model: no such sentencepiece model: {model_path}")
     return spm.SentencePieceProcessor(model_file=model_path)
 
 
@@ -59,12 +57,12 @@ def _lines(inputs):
         return
     for path in inputs:
         if not os.path.isfile(path):
-            _fail(f"no such input file: {path}")
+            fail(f"no such input file: {path}")
         with open(path, encoding="utf-8", errors="strict") as f:
             try:
                 yield from f
             except UnicodeDecodeError as e:
-                _fail(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})")
+                fail(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start})")
 
 
 def _convert_args(argv, prog, description, format_flag):

@@ -10,6 +10,8 @@ import argparse
 import os
 import random
 
+from .files import write_text
+
 CONSONANTS = "bdfgklmnprstvz"
 VOWELS = "aeiou"
 
@@ -81,9 +83,7 @@ def write_corpus(outdir, train=4000, dev=300, test=300, seed=1):
         pairs = [sentence_pair(rng, src, lexicon) for _ in range(n)]
         for side, idx in (("src", 0), ("tgt", 1)):
             path = os.path.join(outdir, f"{split}.{side}")
-            with open(path + ".tmp", "w", encoding="utf-8") as f:
-                f.writelines(p[idx] + "\n" for p in pairs)
-            os.replace(path + ".tmp", path)
+            write_text(path, "".join(p[idx] + "\n" for p in pairs))
 
 
 def main(argv=None):

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 BIN = Path(sys.executable).parent
-USER_DIR = str(Path(__file__).resolve().parents[1] / "fairseq_qknorm")
+ROOT = str(Path(__file__).resolve().parents[1])
+USER_DIR = str(Path(ROOT) / "fairseq_qknorm")
 
 # A model small enough to train in seconds on 2 CPU cores.
 TINY_MODEL = [
@@ -28,7 +29,8 @@ TRAIN_FLAGS = [
 def run(cmd, check=True, **kwargs):
     """Run a command; on failure show its output (the test's own assertion message)."""
     cmd = [str(c) for c in cmd]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))  # experiments/
     # Checkpoints must load with torch's safe unpickler, as users get it: nothing may turn it off.
     for name in ("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_WEIGHTS_ONLY_LOAD"):
         env.pop(name, None)

@@ -1,5 +1,5 @@
 """Bad raw text and a failed download: one clear line, a non-zero exit, nothing half-written.
-fairseq_qknorm_cli.check_text on made-up files, then the recipes' data step (examples/common.sh) on
+experiments.check_text on made-up files, then the recipes' data step (examples/common.sh) on
 the same kinds of files and with no network."""
 import os
 import subprocess
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fairseq_qknorm_cli import check_text
+from experiments import check_text
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = {

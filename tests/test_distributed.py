@@ -1,4 +1,4 @@
-"""fairseq's own distributed training of the QKNorm model (issue 6, "several processes").
+"""fairseq's own distributed training of the QKNorm model: several processes.
 
 The recipe's train_arm with NPROC=2 trains through torchrun with two CPU processes (gloo), with
 validation, --eval-bleu and checkpointing; its logged command, rerun with a larger budget (as after

@@ -1,4 +1,4 @@
-"""The learning-rate sweep (fairseq_qknorm_cli.lr_sweep): its divergence rule, and one tiny sweep
+"""The learning-rate sweep (experiments.lr_sweep): its divergence rule, and one tiny sweep
 through the real command line (3 arms x 2 learning rates x 5 updates): what results.json holds,
 that QKNorm's logits stay within g, the figures, reuse of finished runs, and bad input."""
 import json
@@ -10,9 +10,9 @@ import pytest
 from conftest import run
 
 from fairseq_qknorm.length_prior import g0_for_length
-from fairseq_qknorm_cli.lr_sweep import WINDOW, divergence, loss_summary, seed_table
+from experiments.lr_sweep import WINDOW, divergence, loss_summary, seed_table
 
-SWEEP = [sys.executable, "-m", "fairseq_qknorm_cli.lr_sweep"]
+SWEEP = [sys.executable, "-m", "experiments.lr_sweep"]
 TINY = ["--lrs", "1e-3", "3e-3", "--updates", "5", "--warmup-updates", "2", "--stats-interval", "2",
         "--seeds", "1", "--threads", "1"]
 MODULES = ["encoder self 0", "encoder self 1", "decoder self 0", "decoder self 1", "decoder cross 0", "decoder cross 1"]

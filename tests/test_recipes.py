@@ -56,7 +56,7 @@ def test_both_arms_are_trained_translated_and_scored(smoke_run, toy_raw):
 
 def test_gathered_table_lists_the_pair(smoke_run):
     work, _ = smoke_run
-    proc = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-m", "fairseq_qknorm_cli.results", "table", str(work)],
+    proc = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-m", "experiments.results", "table", str(work)],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     row = next(line for line in proc.stdout.splitlines() if line.startswith("| toy |"))

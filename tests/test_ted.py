@@ -1,4 +1,4 @@
-"""TED extraction (fairseq_qknorm_cli.ted) on small made-up files in the format of Qi et al.'s
+"""TED extraction (experiments.ted) on small made-up files in the format of Qi et al.'s
 all_talks_{train,dev,test}.tsv: a talk column, one column per language, NULL markers."""
 import io
 import sys
@@ -7,7 +7,7 @@ import tarfile
 import pytest
 
 from conftest import run
-from fairseq_qknorm_cli import ted
+from experiments import ted
 
 HEADER = "talk_name\ten\tgl\tpt-br\n"
 ROWS = {
@@ -44,7 +44,7 @@ EXPECTED_GL_EN = {
 def test_directory_of_tsvs_to_plain_text_layout(tmp_path):
     write_tsvs(tmp_path)
     out = tmp_path / "gl-en"
-    proc = run([sys.executable, "-m", "fairseq_qknorm_cli.ted", tmp_path, "--src", "gl", "--tgt", "en", "--out", out])
+    proc = run([sys.executable, "-m", "experiments.ted", tmp_path, "--src", "gl", "--tgt", "en", "--out", out])
     assert read_pair(out, "gl", "en") == EXPECTED_GL_EN
     assert "train: 3 gl-en pairs, 2 rows dropped" in proc.stdout
     # Only complete files, named by language code: the layout the recipes' DATA_DIR takes.

@@ -76,4 +76,4 @@ for run in "${todo[@]}"; do
 done
 while [ "$(jobs -rp | wc -l)" -gt 0 ]; do wait -n || failed=1; done
 [ "$failed" = 0 ] || die "2x2: a run failed (its log is above; rerun to retry it)"
-python -m experiments.gl_en_2x2 report "$RECORDS"
+python -m experiments.gl_en_2x2 report "$RECORDS" --data "$WORK/raw"

@@ -6,22 +6,19 @@ tokenized); like the corpus' own reader (ted_reader.py), a row is dropped when e
 
 Writes OUTDIR/{train,dev,test}.{SRC,TGT}: the plain-text layout every recipe reads.
 
-    python -m fairseq_qknorm_cli.ted ted_talks.tar.gz --src gl --tgt en --out data/ted-gl-en
-    python -m fairseq_qknorm_cli.ted DIR_WITH_TSVS   --src gl --tgt en --out data/ted-gl-en
+    python -m experiments.ted ted_talks.tar.gz --src gl --tgt en --out data/ted-gl-en
+    python -m experiments.ted DIR_WITH_TSVS   --src gl --tgt en --out data/ted-gl-en
 """
 import argparse
 import os
-import sys
 import tarfile
 
-from fairseq_qknorm_cli.check_text import utf8_lines
+from fairseq_qknorm_cli.files import atomic_paths, fail
+
+from experiments.check_text import utf8_lines
 
 SPLITS = ("train", "dev", "test")
 NULL_MARKERS = ("__NULL__", "_ _ NULL _ _")
-
-
-def _fail(message):
-    sys.exit(f"error: {message}")
 
 
 def is_missing(text):
@@ -55,9 +52,8 @@ def write_split(lines, src, tgt, out_prefix, name):
     """Write OUT_PREFIX.{src,tgt} (complete files only); return (kept, dropped)."""
     kept = dropped = 0
     rows = extract_pair(iter(lines), src, tgt, name)
-    paths = {lang: f"{out_prefix}.{lang}" for lang in (src, tgt)}
-    try:
-        with open(paths[src] + ".tmp", "w", encoding="utf-8") as fs, open(paths[tgt] + ".tmp", "w", encoding="utf-8") as ft:
+    with atomic_paths([f"{out_prefix}.{src}", f"{out_prefix}.{tgt}"]) as (tmp_src, tmp_tgt):
+        with open(tmp_src, "w", encoding="utf-8") as fs, open(tmp_tgt, "w", encoding="utf-8") as ft:
             for a, b in rows:
                 if is_missing(a) or is_missing(b):
                     dropped += 1
@@ -65,13 +61,6 @@ def write_split(lines, src, tgt, out_prefix, name):
                 fs.write(a + "\n")
                 ft.write(b + "\n")
                 kept += 1
-    except BaseException:
-        for path in paths.values():
-            if os.path.exists(path + ".tmp"):
-                os.remove(path + ".tmp")
-        raise
-    for path in paths.values():
-        os.replace(path + ".tmp", path)
     return kept, dropped
 
 
@@ -82,12 +71,12 @@ def _tsv_sources(source):
         for split in SPLITS:
             path = os.path.join(source, f"all_talks_{split}.tsv")
             if not os.path.isfile(path):
-                _fail(f"{source}: no all_talks_{split}.tsv (expected the extracted ted_talks.tar.gz)")
+                fail(f"{source}: no all_talks_{split}.tsv (expected the extracted ted_talks.tar.gz)")
             found[split] = path
         return found
     if os.path.isfile(source):
         return None  # an archive: read in one pass by extract_archive
-    _fail(f"no such file or directory: {source}")
+    fail(f"no such file or directory: {source}")
 
 
 def extract_archive(archive, src, tgt, outdir):
@@ -103,15 +92,15 @@ def extract_archive(archive, src, tgt, outdir):
                 with tar.extractfile(member) as f:
                     done[split] = write_split(utf8_lines(f, name), src, tgt, os.path.join(outdir, split), name)
     except tarfile.TarError as e:
-        _fail(f"{archive}: not a readable tar archive ({e})")
+        fail(f"{archive}: not a readable tar archive ({e})")
     missing = [s for s in SPLITS if s not in done]
     if missing:
-        _fail(f"{archive}: no all_talks_{missing[0]}.tsv inside (is this ted_talks.tar.gz?)")
+        fail(f"{archive}: no all_talks_{missing[0]}.tsv inside (is this ted_talks.tar.gz?)")
     return done
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m fairseq_qknorm_cli.ted", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="python -m experiments.ted", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("source", help="ted_talks.tar.gz, or a directory holding all_talks_{train,dev,test}.tsv")
     parser.add_argument("--src", required=True, help="source language code as in the tsv header (e.g. gl)")
@@ -119,7 +108,7 @@ def main(argv=None):
     parser.add_argument("--out", required=True, help="output directory for {train,dev,test}.{SRC,TGT}")
     args = parser.parse_args(argv)
     if args.src == args.tgt:
-        _fail("--src and --tgt must differ")
+        fail("--src and --tgt must differ")
     os.makedirs(args.out, exist_ok=True)
     try:
         paths = _tsv_sources(args.source)
@@ -131,7 +120,7 @@ def main(argv=None):
                 with open(path, "rb") as f:  # decoded line by line: a UTF-8 error names its line
                     counts[split] = write_split(utf8_lines(f, path), args.src, args.tgt, os.path.join(args.out, split), path)
     except ValueError as e:
-        _fail(str(e))
+        fail(str(e))
     for split in SPLITS:
         kept, dropped = counts[split]
         print(f"{split}: {kept} {args.src}-{args.tgt} pairs, {dropped} rows dropped (a side missing)")

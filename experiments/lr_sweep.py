@@ -3,7 +3,7 @@ learning rates? (Wortsman et al. 2023, "Small-scale proxies for large-scale Tran
 instabilities": attention logits grow at high learning rates until training diverges;
 qk-layernorm prevents it.)
 
-    python -m fairseq_qknorm_cli.lr_sweep --work-dir work/lr_sweep --out-dir examples/lr_sweep \\
+    python -m experiments.lr_sweep --work-dir work/lr_sweep --out-dir examples/lr_sweep \\
         [--arms stock qknorm qk_layernorm] [--lrs 3e-4 1e-3 ...] [--seeds 1] [--updates 300] [--threads 2]
 
 Every run is real fairseq training, in-process: fairseq's translation task, model, criterion and
@@ -21,7 +21,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import shlex
 import shutil
 import subprocess
@@ -29,6 +28,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from fairseq_qknorm_cli.files import atomic_path, fail, write_text
+from fairseq_qknorm_cli.logs import setup_logging
+
+from experiments.machine import machine
 
 # Same dims for every arm: pre-norm, 2+2 layers, 64 wide, 4 heads (head dim 16), shared
 # embeddings, no dropout (nothing to hide a divergence). Only the attention differs.
@@ -51,10 +55,6 @@ MAX_TOKENS = 1024
 CORPUS = {"train": 4000, "dev": 200, "seed": 1}  # the generated toy corpus, word level (no subwords)
 STATS_SENTENCES = 32  # the fixed batch: the first dev sentences
 WINDOW = 10  # updates averaged for the start, final and best loss and the divergence rule
-
-
-def fail(message):
-    sys.exit(f"error: {message}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,7 +102,7 @@ def loss_summary(losses, window=WINDOW):
 def prepare_data(work_dir: Path) -> Path:
     """WORK/bin: the generated toy corpus, binarized by fairseq-preprocess with a joined dictionary.
     Built under a temporary name and renamed, so an existing WORK/bin is complete and is reused."""
-    from .toy_corpus import write_corpus
+    from fairseq_qknorm_cli.toy_corpus import write_corpus
 
     bin_dir = work_dir / "bin"
     if (bin_dir / "dict.src.txt").exists():
@@ -150,25 +150,16 @@ def attention_snapshot(model, criterion, sample):
     averaged over the real queries of that head) and g when the module has one."""
     import torch
     from fairseq_qknorm.qknorm_attention import QKNormAttention
-
-    from .attention_stats import attention_module, query_and_key_mask, recording_attention, sort_key
+    from fairseq_qknorm_cli.attention_stats import (AttentionStats, attention_module, query_and_key_mask,
+                                                    recording_attention, sort_key)
 
     pad = criterion.padding_idx
     net_input = sample["net_input"]
     src_valid, tgt_valid = net_input["src_tokens"].ne(pad), net_input["prev_output_tokens"].ne(pad)
-    max_logit, min_entropy = {}, {}
+    stats = {}
 
     def on_attention(where, weights, logits):
-        query_valid, key_valid = query_and_key_mask(where, src_valid, tgt_valid)
-        real_keys = key_valid[:, None, None, :] & torch.isfinite(logits)
-        # Rows of real queries that choose among two keys or more (not the decoder's first step).
-        rows = query_valid[:, None, :] & (real_keys.sum(dim=-1) >= 2)  # (batch, heads, tgt)
-        entropy = -torch.special.xlogy(weights.float(), weights.float()).sum(dim=-1)
-        per_head = (entropy * rows).sum(dim=(0, 2)) / rows.sum(dim=(0, 2)).clamp_min(1)
-        real = rows[..., None] & real_keys
-        name = f"{where[0]} {where[1]}"
-        max_logit[name] = float(logits.float().masked_fill(~real, -math.inf).max())
-        min_entropy[name] = float(per_head.min())
+        stats.setdefault(where, AttentionStats()).add(weights, logits, *query_and_key_mask(where, src_valid, tgt_valid))
 
     model.eval()
     with torch.no_grad(), recording_attention(model, on_attention):
@@ -178,9 +169,10 @@ def attention_snapshot(model, criterion, sample):
         where = attention_module(name)
         if where is not None and isinstance(module, QKNormAttention) and module.qk_scale is not None:
             g[f"{where[0]} {where[1]}"] = module.qk_scale.g.tolist()
-    order = sorted(max_logit, key=lambda n: sort_key((n.rsplit(" ", 1)[0], int(n.rsplit(" ", 1)[1]))))
+    order = sorted(stats, key=sort_key)
     return {"loss": float(loss) / sample_size / math.log(2),
-            "max_logit": {n: max_logit[n] for n in order}, "min_entropy": {n: min_entropy[n] for n in order}, "g": g}
+            "max_logit": {f"{w[0]} {w[1]}": stats[w].logit_max for w in order},
+            "min_entropy": {f"{w[0]} {w[1]}": stats[w].min_head_entropy() for w in order}, "g": g}
 
 
 def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
@@ -347,9 +339,8 @@ def plot_against_lr(runs, path, value, ylabel, title, log_y=False):
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    tmp = str(path) + ".tmp"
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, path)
+    with atomic_path(str(path)) as tmp:
+        fig.savefig(tmp, format="png")
 
 
 def write_figures(runs, out_dir, updates):
@@ -373,11 +364,7 @@ def write_json(path, data):
             return [clean(v) for v in x]
         return x
 
-    tmp = str(path) + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(clean(data), f, indent=1, allow_nan=False)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_text(str(path), json.dumps(clean(data), indent=1, allow_nan=False) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -428,15 +415,6 @@ def parse_args(argv=None):
     return args
 
 
-def machine():
-    """The CPU model as lscpu names it (Linux), the core count and Python's version."""
-    cpu = platform.processor()
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()}
-
-
 def finished_runs(results_path, settings):
     """The runs of an earlier sweep into the same results.json; it must have had the same settings
     (a sweep is one table: runs of other lengths or models are not comparable)."""
@@ -465,10 +443,7 @@ def main(argv=None):
     import logging
     import warnings
 
-    # fairseq-train's log format, set before fairseq's imports (hydra's setup would otherwise
-    # install a bare DEBUG-level one).
-    logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
-                        datefmt="%Y-%m-%d %H:%M:%S", level=logging.INFO, stream=sys.stdout)
+    setup_logging(sys.stdout)  # fairseq-train's log format
     import torch
 
     torch.set_num_threads(args.threads)
@@ -488,7 +463,7 @@ def main(argv=None):
     if runs:
         log(f"{results_path}: keeping {len(runs)} finished runs with the same settings (delete it to redo them)")
     bin_dir = prepare_data(args.work_dir)
-    header = {"command": "python -m fairseq_qknorm_cli.lr_sweep " + shlex.join(sys.argv[1:] if argv is None else argv),
+    header = {"command": "python -m experiments.lr_sweep " + shlex.join(sys.argv[1:] if argv is None else argv),
               "settings": settings, "machine": {**machine(), "torch": torch.__version__, "fairseq": fairseq.__version__,
                                                "torch_threads": args.threads}}
     for seed in args.seeds:

@@ -1,7 +1,7 @@
 """Check a parallel corpus in the recipes' plain-text layout and copy it: IN/{train,dev,test}.{SRC,TGT}
 (one sentence per line, the two sides aligned by line number) to OUT/, the same names.
 
-    python -m fairseq_qknorm_cli.check_text IN_DIR --src gl --tgt en --out OUT_DIR
+    python -m experiments.check_text IN_DIR --src gl --tgt en --out OUT_DIR
 
 What each kind of bad input gets, and why:
 - not UTF-8: an error naming the file and line. sentencepiece, fairseq-preprocess and sacrebleu all
@@ -23,7 +23,8 @@ leaves nothing in OUT_DIR.
 import argparse
 import itertools
 import os
-import sys
+
+from fairseq_qknorm_cli.files import atomic_paths, fail
 
 SPLITS = ("train", "dev", "test")
 SHOWN = 5  # line numbers listed in the log of dropped pairs
@@ -89,26 +90,20 @@ def check_corpus(in_dir, src, tgt, out_dir):
         if not os.path.isfile(path):
             raise TextError(f"{path}: no such file (expected {{train,dev,test}}.{{{src},{tgt}}} in {in_dir})")
     os.makedirs(out_dir, exist_ok=True)
-    outputs = {key: os.path.join(out_dir, os.path.basename(path)) for key, path in inputs.items()}
+    keys = list(inputs)
     counts = {}
-    try:
+    with atomic_paths([os.path.join(out_dir, os.path.basename(inputs[key])) for key in keys]) as tmps:
+        tmp = dict(zip(keys, tmps))
         for split in SPLITS:
-            counts[split] = copy_split(inputs[split, src], inputs[split, tgt], outputs[split, src] + ".tmp",
-                                       outputs[split, tgt] + ".tmp", drop_blank=split == "train")
+            counts[split] = copy_split(inputs[split, src], inputs[split, tgt], tmp[split, src], tmp[split, tgt],
+                                       drop_blank=split == "train")
             if counts[split][0] == 0:
                 raise TextError(f"{inputs[split, src]}: no sentence pairs")
-    except BaseException:
-        for path in outputs.values():
-            if os.path.exists(path + ".tmp"):
-                os.remove(path + ".tmp")
-        raise
-    for path in outputs.values():
-        os.replace(path + ".tmp", path)
     return counts
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m fairseq_qknorm_cli.check_text", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="python -m experiments.check_text", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("in_dir", help="directory holding {train,dev,test}.{SRC,TGT}")
     parser.add_argument("--src", required=True, help="source language code (the file extension)")
@@ -118,7 +113,7 @@ def main(argv=None):
     try:
         counts = check_corpus(args.in_dir, args.src, args.tgt, args.out)
     except (TextError, OSError) as e:
-        sys.exit(f"error: {e}")
+        fail(str(e))
     for split in SPLITS:
         kept, dropped = counts[split]
         line = f"{split}: {kept} sentence pairs"

@@ -1,10 +1,10 @@
 """Results of the recipes (examples/): one file per run, one table for everything finished.
 
-    python -m fairseq_qknorm_cli.results pair WORK RUN --pair P --preset X --seeds 1 2 --arms baseline qknorm
+    python -m experiments.results pair WORK RUN --pair P --preset X --seeds 1 2 --arms baseline qknorm
         reads WORK/RUN/seed{S}/score.{13a,none}.json (fairseq-qknorm-score --json, one system per arm)
         and, next to each system's hypotheses, train.log, train_seconds and inspect.txt;
         writes WORK/RUN/results.json and results.md
-    python -m fairseq_qknorm_cli.results table [DIR ...]
+    python -m experiments.results table [DIR ...]
         finds every results.json under DIR (default: work/) and prints one Markdown table, the main
         comparisons next to the paper's numbers, the ablations after them
 
@@ -17,7 +17,10 @@ import json
 import os
 import re
 import statistics
-import sys
+
+from fairseq_qknorm_cli.files import fail, write_text
+
+from experiments.fairseq_logs import parse_train_log
 
 # Henry et al. (2020), Table 1: tokenized BLEU of the baseline (Transformers without Tears) and QKNorm.
 PAPER_BLEU = {
@@ -30,50 +33,14 @@ PAPER_BLEU = {
 TOKENIZATIONS = ("none", "13a")
 
 
-def _fail(message):
-    sys.exit(f"error: {message}")
-
-
 def _read_json(path):
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except FileNotFoundError:
-        _fail(f"missing {path} (has that step finished?)")
+        fail(f"missing {path} (has that step finished?)")
     except json.JSONDecodeError as e:
-        _fail(f"{path}: not valid JSON ({e.msg} at line {e.lineno})")
-
-
-def parse_valid_line(line):
-    """(updates, dev loss or None, dev BLEU) from fairseq-train's `valid` line with --eval-bleu, else None."""
-    if "valid on 'valid' subset" not in line:
-        return None
-    bleu = re.search(r"\| bleu ([\d.]+)", line)
-    updates = re.search(r"\| num_updates (\d+)", line)
-    if not (bleu and updates):
-        return None
-    loss = re.search(r"\| loss ([\d.]+)", line)
-    return int(updates.group(1)), float(loss.group(1)) if loss else None, float(bleu.group(1))
-
-
-def parse_train_log(path):
-    """What fairseq-train's simple-format log says: parameters, updates, dev BLEU per validation."""
-    out = {"params": None, "updates": None, "dev_bleu": [], "best_dev_bleu": None, "stopped_by": None}
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            m = re.search(r"num\. (?:shared )?model params: ([\d,]+)", line)
-            if m:
-                out["params"] = int(m.group(1).replace(",", ""))
-            valid = parse_valid_line(line)
-            if valid:
-                out["dev_bleu"].append([valid[0], valid[2]])
-                out["best_dev_bleu"] = max(b for _, b in out["dev_bleu"])
-            m = re.search(r"num_updates[ =](\d+)", line)
-            if m:
-                out["updates"] = int(m.group(1))
-            if "stopping training" in line.lower():  # --stop-min-lr, --stop-time-hours, --patience
-                out["stopped_by"] = line.split("|")[-1].strip()
-    return out
+        fail(f"{path}: not valid JSON ({e.msg} at line {e.lineno})")
 
 
 def _is_training(command):
@@ -81,7 +48,7 @@ def _is_training(command):
     return command.startswith("fairseq-train ") or (command.startswith("torchrun ") and " fairseq-train " in command)
 
 
-def _train_command(commands, arm_dir):
+def train_command(commands, arm_dir):
     return next((c for c in reversed(commands) if _is_training(c) and f"{arm_dir}/checkpoints.tmp" in c), None)
 
 
@@ -104,7 +71,7 @@ def gather_pair(work, run, pair, preset, seeds, arms):
     for seed in seeds:
         scores = {tok: _read_json(os.path.join(work, run, f"seed{seed}", f"score.{tok}.json")) for tok in TOKENIZATIONS}
         if [len(s["systems"]) for s in scores.values()] != [len(arms)] * len(TOKENIZATIONS):
-            _fail(f"{work}/{run}/seed{seed}: the scores hold a different number of systems than --arms {' '.join(arms)}")
+            fail(f"{work}/{run}/seed{seed}: the scores hold a different number of systems than --arms {' '.join(arms)}")
         per_arm = {}
         for i, arm in enumerate(arms):
             arm_dir = os.path.dirname(scores["none"]["systems"][i]["path"])  # the arm's test.hyp
@@ -118,7 +85,7 @@ def gather_pair(work, run, pair, preset, seeds, arms):
                 "p_value_chrf": scores["13a"]["systems"][i].get("p_value", {}).get("chrf"),
                 "hypotheses": scores["none"]["systems"][i]["path"],
                 "train_seconds": None,
-                "train_command": _train_command(commands, arm_dir),
+                "train_command": train_command(commands, arm_dir),
             }
             if os.path.isfile(os.path.join(arm_dir, "train_seconds")):
                 with open(os.path.join(arm_dir, "train_seconds")) as f:
@@ -185,17 +152,11 @@ def format_pair(result):
     return "\n".join(lines)
 
 
-def write_atomic(path, text):
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
-
-
 def pair_main(args):
     result = gather_pair(os.path.abspath(args.work), args.run, args.pair, args.preset, args.seeds, args.arms)
     out = os.path.join(args.work, args.run)
-    write_atomic(os.path.join(out, "results.json"), json.dumps(result, indent=2) + "\n")
-    write_atomic(os.path.join(out, "results.md"), format_pair(result))
+    write_text(os.path.join(out, "results.json"), json.dumps(result, indent=2) + "\n")
+    write_text(os.path.join(out, "results.md"), format_pair(result))
 
 
 def format_table(results):
@@ -230,15 +191,36 @@ def format_table(results):
     return "\n".join(lines)
 
 
+# The committed records of the TED gl-en 2x2 (examples/ted/gl-en-2x2/run.sh), shown with every table.
+TWO_BY_TWO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "ted", "gl-en-2x2")
+
+
+def format_two_by_two(runs):
+    """The 2x2's cells, mean test BLEU and chrF over the seeds recorded so far."""
+    from experiments.gl_en_2x2 import CELLS
+
+    lines = ["| TED gl-en 2x2, cpu preset | seeds | BLEU | chrF |", "|---|---|---|---|"]
+    for norm, attention in CELLS:
+        rs = [r for r in runs if (r["norm"], r["attention"]) == (norm, attention)]
+        if rs:
+            lines.append(f"| {norm} + {attention} | {len(rs)} | {statistics.mean(r['test_bleu'] for r in rs):.2f} "
+                         f"| {statistics.mean(r['test_chrf'] for r in rs):.1f} |")
+    return lines + ["", "The effects with their intervals, dev curves and learned g: examples/ted/gl-en-2x2/README.md."]
+
+
 def table_main(args):
     paths = sorted({p for d in args.dirs for p in glob.glob(os.path.join(d, "**", "results.json"), recursive=True)})
-    if not paths:
-        _fail(f"no results.json under {', '.join(args.dirs)} (run examples/ted/run.sh first)")
-    print(format_table([_read_json(p) for p in paths]))
+    two_by_two = os.path.join(TWO_BY_TWO, "runs.json")
+    if not paths and not os.path.exists(two_by_two):
+        fail(f"no results.json under {', '.join(args.dirs)} (run examples/ted/run.sh first)")
+    lines = [format_table([_read_json(p) for p in paths])] if paths else []
+    if os.path.exists(two_by_two):
+        lines += ["", *format_two_by_two(_read_json(two_by_two))]
+    print("\n".join(lines).strip("\n"))
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m fairseq_qknorm_cli.results", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="python -m experiments.results", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("pair", help="write WORK/RUN/results.{json,md} for one finished run")

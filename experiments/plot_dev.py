@@ -1,13 +1,13 @@
 """Dev loss and dev BLEU at each validation, read from fairseq-train logs, one line per run.
 
-    python examples/ted/plot_dev.py OUT.png LABEL=WORK/arms/baseline-seed1/train.log LABEL=... [--title T]
+    python -m experiments.plot_dev OUT.png LABEL=WORK/arms/baseline-seed1/train.log LABEL=... [--title T]
 
 A label ending in "(dashed)" is drawn dashed: an earlier run beside the current one.
 """
 import argparse
 import sys
 
-from fairseq_qknorm_cli.results import parse_valid_line
+from experiments.fairseq_logs import parse_valid_line
 
 
 def read_valid(path):

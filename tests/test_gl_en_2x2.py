@@ -1,0 +1,96 @@
+"""The gl-en 2x2's bookkeeping (experiments/gl_en_2x2.py) and report (gl_en_2x2_report.py) on
+made-up records: which runs are pending, the effects' algebra, and that the pooled bootstrap scores
+what sacrebleu scores on the concatenated test sets."""
+import json
+import random
+
+import pytest
+from sacrebleu.metrics import BLEU
+
+from experiments import gl_en_2x2
+from experiments.gl_en_2x2_report import effects, over_seeds, pooled_bootstrap, sentence_statistics, write_report
+
+CELLS = gl_en_2x2.CELLS
+
+
+def test_effects_are_the_2x2_contrasts():
+    score = {("scalenorm", "dot"): 10.0, ("scalenorm", "qknorm"): 12.0,
+             ("layernorm", "dot"): 11.0, ("layernorm", "qknorm"): 16.0}
+    e = effects(score)
+    assert e["QKNorm"] == pytest.approx(((12 - 10) + (16 - 11)) / 2)
+    assert e["LayerNorm"] == pytest.approx(((11 - 10) + (16 - 12)) / 2)
+    assert e["interaction"] == pytest.approx((16 - 11) - (12 - 10))
+
+
+def make_records(tmp_path, seeds=(1, 2)):
+    """A reference of 60 sentences and, per run, hypotheses that keep a cell-dependent share of its
+    words (the paper's system best); runs.json with the fields the report reads."""
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(40)]
+    ref = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 12))) for _ in range(60)]
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "test.en").write_text("\n".join(ref) + "\n")
+    records = tmp_path / "records"
+    records.mkdir()
+    keep = {("scalenorm", "dot"): 0.5, ("scalenorm", "qknorm"): 0.6, ("layernorm", "dot"): 0.55, ("layernorm", "qknorm"): 0.8}
+    runs = []
+    for seed in seeds:
+        for cell in CELLS:
+            r = random.Random(f"{cell}{seed}")
+            hyp = [" ".join(w if r.random() < keep[cell] else "x" for w in line.split()) for line in ref]
+            name = gl_en_2x2.hyp_name(*cell, seed)
+            (records / name).write_text("\n".join(hyp) + "\n")
+            bleu = BLEU(tokenize="none", force=True).corpus_score(hyp, [ref]).score
+            runs.append({"norm": cell[0], "attention": cell[1], "seed": seed, "updates": 100, "test_bleu": bleu,
+                         "test_chrf": 50.0 + 10 * keep[cell] + seed, "best_dev_bleu": bleu, "hyp": name,
+                         "dev": [[50, 7.0, 1.0], [100, 6.5, bleu]], "g": {"encoder.layers.0.self_attn": 12.5} if cell[1] == "qknorm" else {},
+                         "L": 79, "g0": 12.59, "train_seconds": 60,
+                         "data_sha1": {"test.en": gl_en_2x2.sha1(data / "test.en")}})
+    gl_en_2x2.write_runs(str(records), runs)
+    return records, data, ref, runs
+
+
+def test_pending_lists_the_runs_without_a_record(tmp_path):
+    records, _, _, _ = make_records(tmp_path, seeds=(1,))
+    runs = gl_en_2x2.read_runs(str(records))
+    gl_en_2x2.write_runs(str(records), [r for r in runs if r["attention"] == "dot"])
+    assert gl_en_2x2.pending(str(records), [1, 2]) == [
+        ("scalenorm", "qknorm", 1), ("layernorm", "qknorm", 1), *[(*cell, 2) for cell in CELLS]]
+
+
+def test_pooled_bootstrap_scores_the_concatenated_test_sets(tmp_path):
+    records, _, ref, runs = make_records(tmp_path)
+    stats, metric = sentence_statistics(str(records), ref, runs, [1, 2], "bleu")
+    boot = pooled_bootstrap(stats, metric)
+    pooled = {}
+    for cell in CELLS:
+        hyps = [line for seed in (1, 2) for line in (records / gl_en_2x2.hyp_name(*cell, seed)).read_text().splitlines()]
+        pooled[cell] = BLEU(tokenize="none", force=True).corpus_score(hyps, [ref + ref]).score
+    for name, value in effects(pooled).items():
+        point, low, high = boot[name]
+        assert point == pytest.approx(value)
+        assert low < point < high
+    assert boot["QKNorm"][1] > 0  # the made-up QKNorm cells keep clearly more of the reference
+
+
+def test_over_seeds_interval_uses_the_t_quantile(tmp_path):
+    _, _, _, runs = make_records(tmp_path)
+    mean, half, values = over_seeds(runs, [1, 2], "test_chrf")["QKNorm"]
+    # chrF made up as 50 + 10 * keep + seed: the seed cancels in every contrast.
+    assert values == pytest.approx([1.75, 1.75]) and mean == pytest.approx(1.75) and half == pytest.approx(0)
+
+
+def test_report_names_every_cell_and_refuses_other_references(tmp_path):
+    records, data, _, runs = make_records(tmp_path)
+    write_report(str(records), str(data))
+    text = (records / "README.md").read_text()
+    assert "Recorded: 8 of 12 runs; seeds with all four cells: 1, 2." in text
+    for name in ("ScaleNorm + scaled dot", "LayerNorm + QKNorm (the paper's system)", "| QKNorm |", "| interaction |"):
+        assert name in text
+    assert (records / "dev-curves.png").read_bytes()[:4] == b"\x89PNG"
+    (data / "test.en").write_text("other\n" * 60)
+    with pytest.raises(SystemExit, match="not the reference the runs were scored against"):
+        write_report(str(records), str(data))
+    assert json.loads((records / "runs.json").read_text()) == sorted(
+        runs, key=lambda r: (r["seed"], CELLS.index((r["norm"], r["attention"]))))
