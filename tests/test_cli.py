@@ -6,6 +6,7 @@ import re
 import shutil
 import textwrap
 
+import numpy as np
 import pytest
 
 import fairseq_qknorm  # noqa: F401  (allow-lists fairseq checkpoint classes for torch.load)
@@ -24,6 +25,12 @@ def test_train_logs_L_and_g0_and_saves_g0(trained):
     m = re.search(r"qk-norm: L=(\d+) \(97.5th percentile of 'train' lengths\) g0=log2\(L\^2-L\)=([\d.]+)", log)
     assert m, log[-3000:]
     length, g0 = int(m.group(1)), float(m.group(2))
+    # L is the 97.5th percentile (an observed length) of the longer side's subword counts: counted
+    # here from the sentencepiece-encoded text the data was binarized from.
+    data = trained[0].parent  # toy_bin: bin/ and the encoded train.sp.{src,tgt}
+    percentiles = [int(np.percentile([len(line.split()) for line in (data / f"train.sp.{side}").read_text().splitlines()],
+                                     97.5, method="lower")) for side in ("src", "tgt")]
+    assert length == max(percentiles)
     ckpt = torch.load(save / "checkpoint_best.pt")  # weights_only=True, torch's default
     assert ckpt["cfg"]["model"].qk_scale_init == pytest.approx(g0, abs=1e-4)
     assert g0 == pytest.approx(math.log2(length * length - length), abs=1e-4)
