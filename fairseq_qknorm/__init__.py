@@ -1,7 +1,8 @@
 """fairseq-qknorm: Query-Key Normalization (Henry et al., 2020) for fairseq.
 
 Use as `--user-dir $(fairseq-qknorm-user-dir)` with any fairseq command; it registers the model
-`transformer_qknorm` and its architectures (see architectures.py).
+`transformer_qknorm` and its architectures (see architectures.py), and the language model
+`transformer_lm_qknorm` and its architectures (see transformer_lm_qknorm.py).
 """
 import os
 
@@ -20,4 +21,4 @@ from . import fairseq_patches  # noqa: E402
 
 fairseq_patches.install()
 
-from . import architectures, transformer_qknorm  # noqa: E402,F401
+from . import architectures, transformer_lm_qknorm, transformer_qknorm  # noqa: E402,F401

@@ -9,12 +9,15 @@ when the plugin is imported (which `--user-dir` does); each patch is narrow and 
    fairseq's own bf16 training runs on the CPU.
 4. Errors: the plugin's configuration errors and a refused checkpoint end the command with one
    line, not a traceback through fairseq (errors.one_line says which).
+5. numpy 2: fairseq's TokenBlockDataset (--task language_modeling --sample-break-mode eos) uses
+   `np.compat.long`, which numpy 2 removed; that module alone sees numpy with `compat` put back.
 """
 import argparse
 import collections
 import logging
 import os
 import sys
+import types
 import typing
 
 import numpy as np
@@ -108,6 +111,26 @@ def install_excepthook():
         sys.excepthook = excepthook
 
 
+# ------------------------------------------------------------------ 5. numpy 2 and np.compat
+class _NumpyWithCompat(types.ModuleType):
+    """numpy, plus the `np.compat.long` that numpy 1 defined as `int` (numpy 2 has no np.compat)."""
+
+    compat = types.SimpleNamespace(long=int)
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+
+def give_token_blocks_np_compat():
+    # token_block_dataset.py builds its eos-mode index with np.zeros(..., dtype=np.compat.long): under
+    # numpy 2 every `--sample-break-mode eos` run stopped there with an AttributeError. Only that
+    # module's global `np` is replaced; numpy itself, and every other module, are left as they are.
+    from fairseq.data import token_block_dataset
+
+    if not hasattr(np, "compat") and token_block_dataset.np is np:
+        token_block_dataset.np = _NumpyWithCompat("numpy")
+
+
 def install():
     global _installed
     if _installed:
@@ -116,4 +139,5 @@ def install():
     make_checkpoint_copies_atomic()
     allow_cpu_bf16()
     install_excepthook()
+    give_token_blocks_np_compat()
     _installed = True
