@@ -52,13 +52,86 @@ class ScaledUnitNorm(torch.autograd.Function):
         y, inv_norm, g = ctx.saved_tensors
         dtype = y.dtype
         y, grad_y = y.to(inv_norm.dtype), grad_y.to(inv_norm.dtype)  # no-ops in float32
-        # g == 0 makes y == 0: then grad_x is 0 whatever the division gives, and grad_g is lost.
         one = torch.ones((), dtype=y.dtype, device=y.device)
-        g = one if g is None else torch.where(g == 0, one, g)
+        g = one if g is None else g
+        # g == 0 makes y == 0: grad_x is 0 (the factor g), whatever the division by g gives; grad_g is lost.
+        safe_g = torch.where(g == 0, one, g)
         dot = torch.linalg.vecdot(y, grad_y).unsqueeze(-1)
-        grad_x = torch.addcmul(grad_y, y, dot / (g * g), value=-1.0).mul_(inv_norm * g).to(dtype)
-        grad_g = (dot / g).sum_to_size(g.shape) if ctx.needs_input_grad[1] else None
+        grad_x = torch.addcmul(grad_y, y, dot / (safe_g * safe_g), value=-1.0).mul_(inv_norm * g).to(dtype)
+        grad_g = (dot / safe_g).sum_to_size(g.shape) if ctx.needs_input_grad[1] else None
         return grad_x, grad_g
+
+
+class ScaledAffineNorm(torch.autograd.Function):
+    """y = g * (w * n(x) + b) over the last dim: n(x) = (x - mean) * rstd (LayerNorm, center=True)
+    or x * rstd (RMSNorm), rstd = 1 / sqrt(mean of the squares of x - mean, or of x, + eps); bias
+    None for RMSNorm, g a scalar, per-head g or None (= 1).
+
+    Written out for ScaledUnitNorm's reason, memory: composed from nn.LayerNorm / nn.RMSNorm and a
+    multiply by g, autograd keeps the projection output, the normalized tensor and (RMSNorm) two more
+    intermediates besides y; and LayerNorm's contiguous output made attention's output need a copy
+    before out_proj. Here only y, the tensor attention keeps anyway, and the per-row rstd are kept;
+    backward recovers n(x) = (y / g - b) / w, as apex's memory-efficient LayerNorm does. That division
+    is exact up to rounding unless a weight is near zero: there the output has lost n(x), and backward
+    divides by a weight clamped to |w| >= eps instead (apex's choice too), which keeps the gradients
+    finite. Sums and products in float32; y has the memory layout of x.
+    """
+
+    @staticmethod
+    def values(x: Tensor, weight: Tensor, bias: Optional[Tensor], g: Optional[Tensor], eps: float,
+               center: bool) -> Tuple[Tensor, Tensor]:
+        """(y, rstd), without autograd: what beam search calls."""
+        acc = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(acc)
+        w = weight.to(acc) if g is None else weight.to(acc) * g  # .to first: bf16 * 0-dim g stays bf16
+        y = torch.empty_like(x)  # the layout of x, whatever layout the kernels below return
+        if center:
+            n, _, rstd = torch.native_layer_norm(xf, xf.shape[-1:], None, None, eps)  # one fused pass
+            torch.addcmul(bias.to(acc) if g is None else bias.to(acc) * g, n, w, out=y)
+        else:
+            rstd = (torch.linalg.vecdot(xf, xf).unsqueeze(-1) / x.size(-1) + eps).rsqrt_()
+            torch.mul(xf * rstd, w, out=y)
+        return y, rstd
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, g, eps, center):
+        y, rstd = ScaledAffineNorm.values(x, weight, bias, g, eps, center)
+        ctx.save_for_backward(y, rstd, weight, bias, g)
+        ctx.eps, ctx.center = eps, center
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor):
+        # With a = g * w and s = y - g * b = a * n: n = s / a, dn = a * grad_y, and
+        # grad_x = rstd * (dn - [mean(dn)] - n * mean(dn * n)), where dn * n = grad_y * s.
+        # The parameters' gradients come from two sums per (head, dim): sum(grad_y * n), sum(grad_y).
+        y, rstd, weight, bias, g = ctx.saved_tensors
+        dtype, acc = y.dtype, rstd.dtype
+        y, grad_y = y.to(acc), grad_y.to(acc)  # no-ops in float32
+        one = torch.ones((), dtype=acc, device=y.device)
+        g = one if g is None else g
+        # g == 0 makes s == 0: grad_x, grad_w, grad_b are 0 (the factor g) whatever n is; grad_g is lost.
+        safe_g = torch.where(g == 0, one, g)
+        w = weight.to(acc)
+        w = torch.where(w < 0, w.clamp(max=-ctx.eps), w.clamp(min=ctx.eps))
+        b = None if bias is None else bias.to(acc)
+        s = y if b is None else y - g * b
+        n = s / (safe_g * w)
+        dn = grad_y * (g * w)
+        proj = torch.linalg.vecdot(grad_y, s).unsqueeze(-1) / y.size(-1)
+        if ctx.center:
+            dn -= dn.mean(dim=-1, keepdim=True)
+        grad_x = torch.addcmul(dn, n, proj, value=-1.0).mul_(rstd).to(dtype)
+        # Per head and dim: the shape of g * w.
+        per = torch.broadcast_shapes(g.shape, w.shape)
+        sum_n = (grad_y * n).sum_to_size(per)
+        sum_1 = grad_y.sum_to_size(per)
+        grad_w = (g * sum_n).sum_to_size(weight.shape).to(weight.dtype)
+        grad_b = None if b is None else (g * sum_1).sum_to_size(bias.shape).to(bias.dtype)
+        grad_g = None
+        if ctx.needs_input_grad[3]:  # dy/dg = y / g = w * n + b
+            grad_g = (w * sum_n if b is None else w * sum_n + b * sum_1).sum_to_size(g.shape)
+        return grad_x, grad_w, grad_b, grad_g, None, None
 
 
 class QKScale(nn.Module):
@@ -117,12 +190,20 @@ class QKNormAttention(MultiheadAttention):
         """x: (batch, heads, time, head_dim). g, when there is one, goes into the queries: SDPA's
         scale is a Python float, g a tensor."""
         scale = self.qk_scale if which == "q" else None
+        if self.qk_norm == "none":
+            return x if scale is None else scale(x)
+        g = None if scale is None else scale.g
         if self.qk_norm == "l2":
-            g = None if scale is None else scale.g
-            return ScaledUnitNorm.apply(x, g) if torch.is_grad_enabled() else ScaledUnitNorm.values(x, g)[0]
-        if self.qk_norm != "none":
-            x = getattr(self, which + "_norm")(x)
-        return x if scale is None else scale(x)
+            args = (x, g)
+            norm = ScaledUnitNorm
+        else:
+            module = getattr(self, which + "_norm")
+            eps = module.eps
+            if eps is None:  # nn.RMSNorm's default: the epsilon of the float type it computes in
+                eps = torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
+            args = (x, module.weight, getattr(module, "bias", None), g, eps, self.qk_norm == "layernorm")
+            norm = ScaledAffineNorm
+        return norm.apply(*args) if torch.is_grad_enabled() else norm.values(*args)[0]
 
     def _split_heads(self, x: Tensor) -> Tensor:
         """(time, batch, embed) -> (batch, heads, time, head_dim)."""

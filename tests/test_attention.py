@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import fairseq_qknorm  # noqa: F401  (registers the plugin)
 from fairseq.modules import MultiheadAttention
-from fairseq_qknorm.qknorm_attention import QKNormAttention, ScaledUnitNorm
+from fairseq_qknorm.qknorm_attention import QKNormAttention, ScaledAffineNorm, ScaledUnitNorm
 
 E, H, T, S, B = 32, 4, 6, 7, 3
 D = E // H
@@ -81,6 +81,13 @@ def inputs(cross):
 def test_matches_reference_in_both_paths(variant, cross):
     m = make(variant, cross)
     query, key, kpm, causal = inputs(cross)
+    query.requires_grad_(), key.requires_grad_()
+    grad = torch.randn(T, B, E)
+    wrt = [query] + ([key] if cross else []) + list(m.parameters())
+
+    def grads(out):
+        return torch.autograd.grad(out, wrt, grad)
+
     want, want_w = reference(m, query, key, kpm, causal)
     fused, none_w = m(query, key, key, key_padding_mask=kpm, attn_mask=causal, need_weights=False)
     plain, avg_w = m(query, key, key, key_padding_mask=kpm, attn_mask=causal, need_weights=True)
@@ -90,6 +97,10 @@ def test_matches_reference_in_both_paths(variant, cross):
     torch.testing.assert_close(plain, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(head_w, want_w.transpose(0, 1), atol=1e-5, rtol=1e-5)  # (H, B, T, S)
     torch.testing.assert_close(avg_w, want_w.mean(1), atol=1e-5, rtol=1e-5)
+    want_grads = grads(want)
+    for ours in (fused, plain):  # gradients of the input(s) and of every parameter, g included
+        for a, b in zip(grads(ours), want_grads):  # sums over all tokens: float32 rounding adds up
+            torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4)
 
 
 def test_before_softmax_returns_the_scaled_logits():
@@ -111,7 +122,8 @@ def test_none_equals_fairseq_multihead_attention(cross):
     torch.manual_seed(0)
     stock = MultiheadAttention(E, H, **kw).eval()
     ours = QKNormAttention(E, H, qk_norm="none", qk_scale="none", **kw).eval()
-    assert ours.load_state_dict(stock.state_dict()) is not None
+    assert set(ours.state_dict()) == set(stock.state_dict())  # no parameter of its own
+    ours.load_state_dict(stock.state_dict())
     query, key, kpm, causal = inputs(cross)
     for need_weights in (False, True):
         a, wa = stock(query, key, key, key_padding_mask=kpm, attn_mask=causal, need_weights=need_weights)
@@ -139,6 +151,86 @@ def test_scaled_unit_norm_has_the_gradients_of_g_x_over_norm_x(g_shape):
         torch.testing.assert_close(a, b)
 
 
+def plain_norm(x, weight, bias, g, eps, center):
+    """The composition ScaledAffineNorm replaces: fairseq's way of writing it, in the input's dtype."""
+    y = F.layer_norm(x, x.shape[-1:], weight, bias, eps) if center else F.rms_norm(x, x.shape[-1:], weight, eps)
+    return y if g is None else (y.float() * g).type_as(y)
+
+
+AFFINE_CASES = list(itertools.product([True, False], [None, (), (H, 1, 1)]))
+
+
+def affine_ids(case):
+    center, g_shape = case
+    return f"{'layernorm' if center else 'rmsnorm'}-{'no-g' if g_shape is None else 'per-head-g' if g_shape else 'g'}"
+
+
+def affine_inputs(center, g_shape, seed=0):
+    """float64 x (in the permuted layout attention gives it), weight, bias (LayerNorm only), g."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, B, H, D, generator=gen, dtype=torch.float64).permute(1, 2, 0, 3)
+    w = torch.rand(D, generator=gen, dtype=torch.float64) + 0.5
+    b = torch.randn(D, generator=gen, dtype=torch.float64) if center else None
+    g = None if g_shape is None else torch.rand(g_shape, generator=gen, dtype=torch.float64) * 10 + 0.5
+    return x, w, b, g
+
+
+def values_and_grads(fn, tensors, grad, center):
+    """fn's output and its gradients for every tensor given (g kept float32, as QKScale keeps it)."""
+    leaves = [None if t is None else t.detach().clone().requires_grad_() for t in tensors]
+    y = fn(*leaves, 1e-5, center)
+    return [y] + list(torch.autograd.grad(y, [t for t in leaves if t is not None], grad.to(y.dtype)))
+
+
+@pytest.mark.parametrize("case", AFFINE_CASES, ids=affine_ids)
+def test_scaled_affine_norm_equals_layernorm_or_rmsnorm_times_g(case):
+    center, g_shape = case
+    x, w, b, g = affine_inputs(center, g_shape)
+    leaves = [t.requires_grad_() for t in (x, w, b, g) if t is not None]
+    assert torch.autograd.gradcheck(lambda *a: ScaledAffineNorm.apply(*a, 1e-5, center), (x, w, b, g))
+    y = ScaledAffineNorm.apply(x, w, b, g, 1e-5, center)
+    assert y.stride() == x.stride()  # attention's output then reshapes for out_proj without a copy
+    grad = torch.randn(x.shape, dtype=torch.float64)
+    exact = values_and_grads(plain_norm, (x, w, b, g), grad, center)
+
+    def cast(dtype):
+        return [None if t is None else t.detach().to(torch.float32 if t is g else dtype) for t in (x, w, b, g)]
+
+    # float32: the same values and gradients as the composition, to float32 rounding (of sums over
+    # rows, for the weight, bias and g)
+    for a, want in zip(values_and_grads(ScaledAffineNorm.apply, cast(torch.float32), grad, center),
+                       values_and_grads(plain_norm, cast(torch.float32), grad, center)):
+        torch.testing.assert_close(a, want, atol=1e-5, rtol=1e-5)
+    # bfloat16: ours recovers n(x) from a bfloat16 y, the composition keeps x. Both are as close to
+    # the float64 values as bfloat16 allows (its resolution is 2**-8); elementwise they can differ
+    # by more than that where a gradient is a difference of nearly equal terms.
+    ours = values_and_grads(ScaledAffineNorm.apply, cast(torch.bfloat16), grad, center)
+    plain = values_and_grads(plain_norm, cast(torch.bfloat16), grad, center)
+    for a, p, want in zip(ours, plain, exact):
+        error = lambda t: ((t.double() - want).norm() / want.norm()).item()  # noqa: E731
+        assert error(a) <= max(error(p), 2**-8) * 4, (error(a), error(p))
+
+
+@pytest.mark.parametrize("norm", ["l2", "layernorm", "rmsnorm"])
+def test_zero_g_and_zero_norm_weights_give_finite_gradients(norm):
+    """y = 0 * ... holds no trace of the normalized q; nor does a zero weight (backward divides by a
+    clamped one). The gradients stay finite, and g = 0 leaves the queries' projection without any."""
+    m = make(dict(qk_norm=norm, qk_scale="learned", qk_scale_init=8.0)).train()
+    if norm != "l2":
+        with torch.no_grad():
+            m.q_norm.weight[:2] = 0.0
+            m.k_norm.weight[-3:] = 0.0
+    query, _, kpm, causal = inputs(False)
+    for g in (8.0, 0.0):
+        m.zero_grad()
+        with torch.no_grad():
+            m.qk_scale.g.fill_(g)
+        out, _ = m(query, query, query, key_padding_mask=kpm, attn_mask=causal, need_weights=False)
+        out.pow(2).sum().backward()
+        assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+        assert (m.q_proj.weight.grad.abs().sum() == 0) == (g == 0.0)
+
+
 def saved_bytes(module, *args, **kwargs):
     """Bytes of the distinct tensors autograd keeps for backward, parameters left out."""
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
@@ -154,16 +246,17 @@ def saved_bytes(module, *args, **kwargs):
     return sum(kept.values())
 
 
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v["qk_norm"] != "none"], ids=ids)
 @pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
-def test_l2_qknorm_keeps_no_more_for_backward_than_stock_attention(cross):
+def test_qknorm_keeps_no_more_for_backward_than_stock_attention(variant, cross):
     kw = dict(kdim=E, vdim=E, encoder_decoder_attention=True) if cross else dict(self_attention=True)
     stock = MultiheadAttention(E, H, **kw).train()
-    ours = QKNormAttention(E, H, qk_norm="l2", qk_scale="learned", qk_scale_init=5.0, **kw).train()
+    ours = QKNormAttention(E, H, **variant, **kw).train()
     query, key, kpm, _ = inputs(cross)
     query = query.requires_grad_()
     call = dict(key_padding_mask=kpm, need_weights=False)
     stock_bytes, our_bytes = saved_bytes(stock, query, key, key, **call), saved_bytes(ours, query, key, key, **call)
-    # per row of q and k, one float for 1/||x||: nothing the size of q or k itself
+    # per row of q and k, one float (1/||x|| or rstd): nothing the size of q or k itself
     assert our_bytes <= stock_bytes + 4 * B * H * (T + key.size(0)) + 64, (our_bytes, stock_bytes)
 
 
@@ -201,9 +294,10 @@ def test_zero_queries_keys_and_all_padding_rows_give_no_nan():
     assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
 
 
+@pytest.mark.parametrize("norm", ["l2", "layernorm", "rmsnorm"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_g_stays_float32_when_the_model_is_cast(dtype):
-    m = make(dict(qk_norm="l2", qk_scale="learned", qk_scale_init=12.3196))
+def test_g_stays_float32_when_the_model_is_cast(dtype, norm):
+    m = make(dict(qk_norm=norm, qk_scale="learned", qk_scale_init=12.3196))
     g_before = m.qk_scale.g.detach().clone()
     m.to(dtype)
     assert m.q_proj.weight.dtype == dtype
