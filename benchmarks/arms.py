@@ -11,6 +11,8 @@ from fairseq.tasks.translation import TranslationConfig, TranslationTask
 import fairseq_qknorm  # noqa: F401  (registers transformer_qknorm and its architectures)
 from fairseq_qknorm.length_prior import g0_for_length
 
+from .variants import QK_VARIANTS
+
 
 @dataclass(frozen=True)
 class Size:
@@ -35,9 +37,7 @@ ARMS = {
     # transformer_qknorm but not for fairseq's transformer, which lacks set_beam_size. The
     # like-for-like reference for what QK-norm itself costs in beam search.
     "stock_beamable": ("transformer", {}),
-    "qknorm": ("transformer_qknorm", {"qk_norm": "l2", "qk_scale": "learned"}),
-    "qknorm_layernorm": ("transformer_qknorm", {"qk_norm": "layernorm", "qk_scale": "none"}),
-    "qknorm_rmsnorm": ("transformer_qknorm", {"qk_norm": "rmsnorm", "qk_scale": "none"}),
+    **{name: ("transformer_qknorm", flags) for name, flags in QK_VARIANTS.items()},
     # The paper's baseline: ScaleNorm + FixNorm + scaled dot product.
     "scalenorm_paper": ("transformer_scalenorm_paper", {}),
 }

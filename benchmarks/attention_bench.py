@@ -11,8 +11,9 @@ from fairseq_qknorm.qknorm_attention import QKNormAttention
 from .arms import QK_SCALE_INIT, SIZES
 from .plain_attention import PlainQKNormAttention
 from .timing import DTYPES, timed
+from .variants import QK_VARIANTS
 
-ATTENTION_ARMS = ("stock", "qknorm", "qknorm_plain", "qknorm_layernorm", "qknorm_rmsnorm")
+ATTENTION_ARMS = ("stock", "qknorm", "qknorm_plain", *(a for a in QK_VARIANTS if a != "qknorm"))
 
 
 def build_attention(arm, dim, heads, cross, seed):
@@ -20,12 +21,9 @@ def build_attention(arm, dim, heads, cross, seed):
     torch.manual_seed(seed)  # the same projections in every arm
     if arm == "stock":
         return MultiheadAttention(dim, heads, **kind)
-    if arm == "qknorm":
-        return QKNormAttention(dim, heads, qk_norm="l2", qk_scale="learned", qk_scale_init=QK_SCALE_INIT, **kind)
     if arm == "qknorm_plain":
-        return PlainQKNormAttention(dim, heads, qk_norm="l2", qk_scale="learned", qk_scale_init=QK_SCALE_INIT, **kind)
-    norm = arm.split("_")[1]
-    return QKNormAttention(dim, heads, qk_norm=norm, qk_scale="none", **kind)
+        return PlainQKNormAttention(dim, heads, qk_scale_init=QK_SCALE_INIT, **QK_VARIANTS["qknorm"], **kind)
+    return QKNormAttention(dim, heads, qk_scale_init=QK_SCALE_INIT, **QK_VARIANTS[arm], **kind)
 
 
 def padding_mask(lengths, time, device):

@@ -21,12 +21,15 @@ from pathlib import Path
 
 from . import report
 from .lengths import read_pair_lengths
+from .variants import QK_VARIANTS
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL_ARMS = ("stock", "stock_beamable", "qknorm", "qknorm_layernorm", "qknorm_rmsnorm", "scalenorm_paper")
+MODEL_ARMS = ("stock", "stock_beamable", *QK_VARIANTS, "scalenorm_paper")
 GENERATE_ONLY = ("stock_beamable",)  # in training it is stock
+# Run beside every other arm, so that each arm has a back-to-back reference in every round.
+BASELINES = {"train": ("stock",), "generate": ("stock", "stock_beamable")}
 BENCHMARKS = ("train", "generate", "attention")
-TED = "/work/shared/data/ted-gl-en/train.gl,/work/shared/data/ted-gl-en/train.en"
+LENGTHS_ENV = "BENCH_LENGTHS_FROM"
 
 FULL = dict(sizes=("glen", "small"), repeats=5, train_sentences=64, max_tokens=1024, gen_sentences=64,
             beam=5, max_len=256, attention_lengths=(16, 64, 256), attention_tokens=2048,
@@ -49,9 +52,15 @@ def parse_args(argv):
                    help="model arms for train and generate (stock is always run: the ratios need it)")
     p.add_argument("--repeats", type=int, help="interleaved rounds (default 5; 1 with --quick)")
     p.add_argument("--threads", type=int, default=2, help="torch threads in every worker (default 2)")
+    p.add_argument("--workers", type=int, default=6,
+                   help="model arms alive at once (default 6): the arms run in batches of this many, the "
+                        "baselines (stock; stock_beamable in generation) in every batch. Each glen training "
+                        "worker holds about 2 GB")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--lengths-from", default=TED, metavar="SRC,TGT",
-                   help="parallel text whose sentence lengths the batches copy (default: TED gl-en train)")
+    p.add_argument("--note", default="", help="what else ran on the machine, written into the results")
+    p.add_argument("--lengths-from", default=os.environ.get(LENGTHS_ENV), metavar="SRC,TGT",
+                   help=f"parallel text whose sentence lengths the batches copy, e.g. the TED gl-en training "
+                        f"text (default: ${LENGTHS_ENV})")
     p.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--markdown", metavar="FILE",
                    help="file whose results section is rewritten (default: BENCHMARKS.md, none with --quick)")
@@ -63,7 +72,12 @@ def parse_args(argv):
         p.error("--threads: expected a positive number")
     if args.device == "cpu" and args.dtype and args.dtype != ["fp32"]:
         p.error("--dtype fp16/bf16: only with --device cuda")
-    if len(args.lengths_from.split(",")) != 2:
+    if args.workers < len(BASELINES["generate"]) + 1:
+        p.error(f"--workers: expected at least {len(BASELINES['generate']) + 1} (the baselines and one arm)")
+    if not args.render and not args.lengths_from:
+        p.error(f"--lengths-from SRC,TGT (or ${LENGTHS_ENV}) is needed: the parallel text whose sentence "
+                "lengths the batches copy")
+    if not args.render and len(args.lengths_from.split(",")) != 2:
         p.error(f"--lengths-from: expected SRC,TGT (two files), got {args.lengths_from!r}")
     if "stock" not in args.arms:
         args.arms.insert(0, "stock")
@@ -121,10 +135,19 @@ class Worker:
         return stats
 
 
-def run_group(ctx, benchmark, size, dtype, arms, job_base, repeats):
+def arm_batches(benchmark, arms, workers):
+    """The arms' processes, in batches of at most `workers`, each with the baselines."""
+    if benchmark == "attention":
+        return [["all"]]  # one process: every arm is one module
+    base = [a for a in BASELINES[benchmark] if a in arms or a == "stock"]
+    rest = [a for a in arms if a not in base and (benchmark == "generate" or a not in GENERATE_ONLY)]
+    size = workers - len(base)
+    return [base + rest[i:i + size] for i in range(0, len(rest), size)] or [base]
+
+
+def run_group(ctx, benchmark, size, dtype, names, job_base, repeats):
     label = f"{benchmark} {size} {dtype}"
     job = dict(job_base, benchmark=benchmark, size=size, dtype=dtype)
-    names = ["all"] if benchmark == "attention" else [a for a in arms if benchmark == "generate" or a not in GENERATE_ONLY]
     workers = {}
     try:
         for name in names:  # one after the other, so that no build or warm-up overlaps another
@@ -263,12 +286,12 @@ def main(argv=None):
     from . import arms, attention_bench, data, models_bench  # noqa: F401
 
     date = datetime.datetime.now()
-    out = Path(args.results_dir) / f"{args.device}{'-quick' if args.quick else ''}-{date:%Y-%m-%d}.json"
+    out = Path(args.results_dir) / f"{args.device}{'-quick' if args.quick else ''}-{date:%Y-%m-%d-%H%M}.json"
     meta = {
         "date": date.isoformat(timespec="seconds"), "device": args.device,
         "device_name": f"{cpu_model()}, {os.cpu_count()} cores" if args.device == "cpu" else "cuda",
         "torch": torch.__version__, "fairseq": fairseq.__version__, "python": platform.python_version(),
-        "threads": args.threads, "commit": git_commit(), "load_start": os.getloadavg(),
+        "threads": args.threads, "commit": git_commit(), "load_start": os.getloadavg(), "note": args.note,
         "command": "python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:]),
         "results_file": os.path.relpath(out, ROOT),
     }
@@ -280,7 +303,9 @@ def main(argv=None):
         for dtype in s["dtypes"]:
             for size in s["sizes"]:
                 for benchmark in args.benchmarks:
-                    groups.append(run_group(ctx, benchmark, size, dtype, args.arms, job_base, s["repeats"]))
+                    for batch, names in enumerate(arm_batches(benchmark, args.arms, args.workers), 1):
+                        group = run_group(ctx, benchmark, size, dtype, names, job_base, s["repeats"])
+                        groups.append(dict(group, batch=batch))
     except RuntimeError as e:
         sys.exit(f"error: {e}")
     meta["load_end"] = os.getloadavg()

@@ -2,6 +2,7 @@
 what QKNormAttention computes, its arms differ only where they should, and its tables and targets
 follow from the numbers. No timing is asserted."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,11 +14,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `benchmarks` is a folder of the repository, not an installed package
 
 from benchmarks import report  # noqa: E402
-from benchmarks.run import update_markdown  # noqa: E402
+from benchmarks.run import arm_batches, update_markdown  # noqa: E402
+from benchmarks.variants import QK_VARIANTS  # noqa: E402
 
-MODEL_ARMS = ["stock", "qknorm", "qknorm_layernorm", "qknorm_rmsnorm", "scalenorm_paper"]
-GENERATE_ARMS = ["stock", "stock_beamable", "qknorm", "qknorm_layernorm", "qknorm_rmsnorm", "scalenorm_paper"]
-ATTENTION_ARMS = ["stock", "qknorm", "qknorm_plain", "qknorm_layernorm", "qknorm_rmsnorm"]
+VARIANTS = list(QK_VARIANTS)
+MODEL_ARMS = ["stock", *VARIANTS, "scalenorm_paper"]
+GENERATE_ARMS = ["stock", "stock_beamable", *VARIANTS, "scalenorm_paper"]
+ATTENTION_ARMS = ["stock", "qknorm", "qknorm_plain", *VARIANTS[1:]]
 
 
 def bench(*args):
@@ -47,27 +50,32 @@ def quick(corpus, tmp_path_factory):
 
 def test_quick_run_measures_every_arm(quick):
     result, _, _ = quick
-    groups = {g["benchmark"]: g for g in result["groups"]}
+    groups = {}
+    for g in result["groups"]:
+        groups.setdefault(g["benchmark"], []).append(g)
     assert set(groups) == {"train", "generate", "attention"}
     for name, expected_arms in (("train", MODEL_ARMS), ("generate", GENERATE_ARMS)):
-        arms = groups[name]["arms"]
-        assert list(arms) == expected_arms
-        for arm in arms.values():
+        # in batches, each with its own baselines: every arm once, the baselines in every batch
+        baselines = expected_arms[:2] if name == "generate" else ["stock"]
+        assert all(list(g["arms"])[: len(baselines)] == baselines for g in groups[name])
+        assert [a for g in groups[name] for a in g["arms"] if a not in baselines] == expected_arms[len(baselines):]
+        for arm in (a for g in groups[name] for a in g["arms"].values()):
             values = next(iter(arm["metrics"].values()))
             assert len(values) == result["settings"]["repeats"] == 1 and values[0] > 0
             assert arm["peak_rss_mb"] >= arm["start_rss_mb"] > 0
-    train = groups["train"]["arms"]
-    assert {a["info"]["target_tokens"] for a in train.values()} == {train["stock"]["info"]["target_tokens"]}
-    assert all(a["info"]["activations_mb"] > 0 for a in train.values())
+    train = [a for g in groups["train"] for a in g["arms"].values()]
+    assert len({a["info"]["target_tokens"] for a in train}) == 1
+    assert all(a["info"]["activations_mb"] > 0 for a in train)
     # Forced lengths: every arm generates every hypothesis to L tokens + </s>.
-    gen = groups["generate"]["arms"]
+    gen = {n: a for g in groups["generate"] for n, a in g["arms"].items()}
     info = gen["stock"]["info"]
     expected = info["sentences"] * (info["length"] + 1)
     assert all(a["metrics"]["output_tokens"] == [expected] for a in gen.values())
     # SequenceGenerator switches beamable cross attention on for the plugin's model, not for
     # fairseq's transformer; stock_beamable switches it on by hand.
     assert {n for n, a in gen.items() if a["info"]["beamable"]} == set(GENERATE_ARMS) - {"stock"}
-    cases = groups["attention"]["cases"]
+    (attention,) = groups["attention"]
+    cases = attention["cases"]
     assert len(cases) == 2 * len(result["settings"]["attention_lengths"]) + 2
     assert all(list(times) == ATTENTION_ARMS for times in cases.values())
     meta = result["meta"]
@@ -79,11 +87,13 @@ def test_quick_run_writes_the_tables_between_markers(quick, tmp_path):
     text = md.read_text()
     assert text.startswith("# Benchmarks\n\nHand-written text that the script must keep.\n")
     assert text.count("<!-- BEGIN cpu results") == 1 and "| tiny fp32 | qknorm |" in text
+    # the targets table: a row per QK-norm variant
+    assert all(f"| tiny fp32 | {arm} | " in text.split("**Targets**")[1] for arm in VARIANTS)
     # Rendering the same file again replaces the section instead of adding one.
     proc = bench("--render", results, "--markdown", md)
     assert proc.returncode == 0, proc.stderr
     assert md.read_text() == text
-    assert "| tiny fp32 | scalenorm_paper |" in proc.stdout
+    assert "| scalenorm_paper |" in proc.stdout
 
 
 def test_bad_lengths_file_is_one_clear_error(tmp_path):
@@ -93,6 +103,35 @@ def test_bad_lengths_file_is_one_clear_error(tmp_path):
     assert proc.stderr.strip().splitlines() == [f"error: --lengths-from: cannot read {tmp_path}/missing.src: "
                                                 "No such file or directory"]
     assert not (tmp_path / "r").exists()
+
+
+def test_no_lengths_file_is_one_clear_error(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "BENCH_LENGTHS_FROM"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--results-dir", str(tmp_path / "r")],
+                          cwd=ROOT, capture_output=True, text=True, env=env)
+    assert proc.returncode != 0
+    assert "--lengths-from SRC,TGT (or $BENCH_LENGTHS_FROM) is needed" in proc.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "r").exists()
+
+
+def test_variants_are_every_qk_norm_the_flags_allow():
+    from fairseq_qknorm.qknorm_attention import QK_NORMS, QK_SCALES
+
+    flags = {(v["qk_norm"], v["qk_scale"], v["qk_scale_per_head"]) for v in QK_VARIANTS.values()}
+    norms = [n for n in QK_NORMS if n != "none"]  # no norm: not a QK-norm
+    assert flags == {(n, s, p) for n in norms for s in QK_SCALES for p in (False, True) if not (s == "none" and p)}
+    assert QK_VARIANTS["qknorm"] == {"qk_norm": "l2", "qk_scale": "learned", "qk_scale_per_head": False}
+
+
+def test_arm_batches_hold_the_baselines_and_every_arm_once():
+    arms = ["stock", "stock_beamable", *VARIANTS, "scalenorm_paper"]
+    train = arm_batches("train", arms, 6)
+    assert all(b[0] == "stock" and len(b) <= 6 for b in train)
+    assert [a for b in train for a in b[1:]] == arms[2:]  # stock_beamable is generation only
+    generate = arm_batches("generate", arms, 6)
+    assert all(b[:2] == ["stock", "stock_beamable"] and len(b) <= 6 for b in generate)
+    assert [a for b in generate for a in b[2:]] == arms[2:]
+    assert arm_batches("generate", ["stock"], 6) == [["stock"]]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
@@ -146,7 +185,7 @@ def test_arms_differ_only_in_what_they_are_about():
     from fairseq_qknorm.qknorm_attention import QKNormAttention
 
     stock = build_model("stock", SIZES["tiny"], seed=3)[0].state_dict()
-    for arm, extra in (("qknorm", {"qk_scale.g"}), ("qknorm_layernorm", {"q_norm.weight", "q_norm.bias",
+    for arm, extra in (("qknorm", {"qk_scale.g"}), ("qknorm_layernorm_none", {"q_norm.weight", "q_norm.bias",
                                                                         "k_norm.weight", "k_norm.bias"})):
         model = build_model(arm, SIZES["tiny"], seed=3)[0]
         attn = [m for m in model.modules() if isinstance(m, MultiheadAttention)]
@@ -158,9 +197,9 @@ def test_arms_differ_only_in_what_they_are_about():
             assert torch.equal(state[k], v), k
 
 
-def _fake(wps, peak, plain_ms, fused_ms):
-    arms = {name: {"metrics": {"wps": w, "wps_cpu": w}, "peak_rss_mb": p, "info": {"activations_mb": 1.0}}
-            for name, w, p in zip(("stock", "qknorm"), wps, peak)}
+def _fake(wps, peak, activations, plain_ms, fused_ms):
+    arms = {name: {"metrics": {"wps": w, "wps_cpu": w}, "peak_rss_mb": p, "info": {"activations_mb": a}}
+            for name, w, p, a in zip(("stock", "qknorm_rmsnorm_none"), wps, peak, activations)}
     return [{"benchmark": "train", "size": "glen", "dtype": "fp32", "arms": arms},
             {"benchmark": "attention", "size": "glen", "dtype": "fp32",
              "cases": {"self T=64 fwd+bwd": {"stock": fused_ms, "qknorm": fused_ms, "qknorm_plain": plain_ms},
@@ -170,23 +209,29 @@ def _fake(wps, peak, plain_ms, fused_ms):
 def test_targets_use_the_median_of_the_per_pair_ratios():
     # Rounds drift (a loaded machine): the per-pair ratios are 0.98, 0.98, 0.5 -> median 0.98, while
     # the ratio of the medians would be 50/100 = 0.5.
-    groups = _fake(wps=([100, 50, 100], [98, 49, 50]), peak=(1000, 1040), plain_ms=[2, 2, 2], fused_ms=[1, 3, 1])
-    checks = {what: (round(value, 3), ok) for what, value, _, ok in report.targets(groups)}
+    groups = _fake(wps=([100, 50, 100], [98, 49, 50]), peak=(1000, 1040), activations=(10.0, 10.2),
+                   plain_ms=[2, 2, 2], fused_ms=[1, 3, 1])
+    checks = {(arm, key[1]): (round(value, 3), ok) for _, arm, key, value, ok in report.targets(groups)}
     assert checks == {
-        "train glen fp32: wps qknorm / stock": (0.98, True),
-        "train glen fp32: peak memory qknorm / stock": (1.04, False),
-        "attention glen fp32 self T=64 fwd+bwd: qknorm_plain / qknorm time": (2.0, True),  # T=16: no target
+        ("qknorm_rmsnorm_none", "wps"): (0.98, True),
+        ("qknorm_rmsnorm_none", "activations"): (1.02, True),
+        ("qknorm_rmsnorm_none", "memory"): (1.04, False),
+        ("self T=64 fwd+bwd", "qknorm_plain / qknorm time"): (2.0, True),  # T=16: no target
     }
     assert report.pair_ratios([2, 3], [4, 6]) == [0.5, 0.5]
+    table = report.targets_tables(report.targets(groups))
+    assert "| glen fp32 | qknorm_rmsnorm_none | 0.980 | 1.020 | **1.040 MISS** |" in table
+    assert table.endswith("3 of 4 targets met; 1 missed (in bold).")
 
 
 def test_generation_targets_include_the_like_for_like_ratio():
     speed = lambda values: {"metrics": {"sentences_per_s": values}, "peak_rss_mb": 100, "info": {}}
-    arms = {"stock": speed([1.0, 1.0]), "stock_beamable": speed([2.0, 2.0]), "qknorm": speed([1.9, 1.9])}
-    checks = {what: (round(value, 3), ok) for what, value, _, ok in
+    arms = {"stock": speed([1.0, 1.0]), "stock_beamable": speed([2.0, 2.0]), "qknorm": speed([1.9, 1.9]),
+            "scalenorm_paper": speed([0.5, 0.5])}  # not a QK-norm: no target
+    checks = {(arm, key[1]): (round(value, 3), ok) for _, arm, key, value, ok in
               report.targets([{"benchmark": "generate", "size": "small", "dtype": "fp32", "arms": arms}])}
-    assert checks["generate small fp32: sentences_per_s qknorm / stock"] == (1.9, True)
-    assert checks["generate small fp32: sentences_per_s qknorm / stock_beamable (like for like)"] == (0.95, False)
+    assert checks == {("qknorm", "speed"): (1.9, True), ("qknorm", "like for like"): (0.95, False),
+                      ("qknorm", "memory"): (1.0, True)}
 
 
 def test_update_markdown_replaces_only_its_own_device(tmp_path):
