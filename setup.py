@@ -30,6 +30,7 @@ setup(
             "fairseq-qknorm-toy-corpus = fairseq_qknorm_cli.toy_corpus:main",
             "fairseq-qknorm-score = fairseq_qknorm_cli.score:main",
             "fairseq-qknorm-inspect = fairseq_qknorm_cli.inspect_checkpoints:main",
+            "fairseq-qknorm-export-ct2 = fairseq_qknorm_cli.export_ct2:main",
         ]
     },
 )
