@@ -19,6 +19,9 @@ import sys
 import time
 from pathlib import Path
 
+from experiments.machine import cpu_name
+from fairseq_qknorm_cli.files import write_text
+
 from . import report
 from .lengths import read_pair_lengths
 from .variants import QK_VARIANTS
@@ -214,30 +217,12 @@ def _headline(benchmark, m):
     return "done"
 
 
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def git_commit():
     def git(*a):
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
     return commit + ("+modified" if git("status", "--porcelain", "fairseq_qknorm") else "")
-
-
-def write_atomic(path: Path, text: str):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def update_markdown(path: Path, device: str, table: str):
@@ -249,7 +234,7 @@ def update_markdown(path: Path, device: str, table: str):
         text = text[: text.index(begin)] + section + text[text.index(end) + len(end):]
     else:
         text = text.rstrip("\n") + ("\n\n" if text else "") + section + "\n"
-    write_atomic(path, text)
+    write_text(path, text)
 
 
 def render_to(result, markdown):
@@ -289,7 +274,7 @@ def main(argv=None):
     out = Path(args.results_dir) / f"{args.device}{'-quick' if args.quick else ''}-{date:%Y-%m-%d-%H%M}.json"
     meta = {
         "date": date.isoformat(timespec="seconds"), "device": args.device,
-        "device_name": f"{cpu_model()}, {os.cpu_count()} cores" if args.device == "cpu" else "cuda",
+        "device_name": f"{cpu_name()}, {os.cpu_count()} cores" if args.device == "cpu" else "cuda",
         "torch": torch.__version__, "fairseq": fairseq.__version__, "python": platform.python_version(),
         "threads": args.threads, "commit": git_commit(), "load_start": os.getloadavg(), "note": args.note,
         "command": "python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -313,7 +298,8 @@ def main(argv=None):
         first = groups[0]["info"] if "info" in groups[0] else next(iter(groups[0]["arms"].values()))["info"]
         meta["device_name"] = first["device_name"]
     result = {"meta": meta, "settings": dict(s, lengths_from=args.lengths_from), "groups": groups}
-    write_atomic(out, json.dumps(result, indent=1) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text(out, json.dumps(result, indent=1) + "\n")
     log(f"wrote {out}")
     render_to(result, markdown)
 
