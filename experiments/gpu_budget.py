@@ -27,10 +27,9 @@ import sys
 import time
 from datetime import datetime
 
-from fairseq_qknorm_cli.files import fail, write_text
-
 from experiments.fairseq_logs import parse_train_log, parse_valid_line
 from experiments.gl_en_2x2 import CELLS, read_runs
+from fairseq_qknorm_cli.files import fail, write_text
 
 INNER = re.compile(r"epoch \d+:\s+\d+ / (\d+) .*\bups=([\d.]+)")
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) ")
@@ -148,12 +147,12 @@ def run_status(run, logs):
     stopped_by = parse_train_log(log)["stopped_by"] if os.path.isfile(log) else None
     dev = [b for _, _, b in run["dev"]]
     rising = bool(dev) and dev[-1] >= max(dev)
-    if stopped_by and "lr" in stopped_by.lower():
-        why = "the paper's stop (learning rate fell to --stop-min-lr)"
-    elif stopped_by:
-        why = f"cut short ({stopped_by})"
+    if not stopped_by or "max_update" in stopped_by:
+        why = "the update budget (--max-update)"
+    elif "learning rate" in stopped_by:
+        why = "the paper's stop (the learning rate fell to --stop-min-lr)"
     else:
-        why = "the update budget"
+        why = f"cut short ({stopped_by})"
     return why, rising
 
 
@@ -212,7 +211,7 @@ def main(argv=None):
     z.add_argument("probe_dirs", nargs="+", metavar="PROBE_DIR")
     z.add_argument("--deadline", type=float, required=True, help="epoch seconds by which every run must have trained")
     z.add_argument("--out", required=True, help="where to write what was measured and chosen (JSON)")
-    z.add_argument("--dev-points", type=int, default=8, help="at most this many validations per run (default 8)")
+    z.add_argument("--dev-points", type=int, default=4, help="at most this many validations per run (default 4)")
     z.add_argument("--max-epochs", type=int, help="never more epochs than this")
     z.add_argument("--warmup-share", type=float, default=0.25, help="warm-up updates as a share of the budget")
     z.add_argument("--safety", type=float, default=0.9, help="share of the time left that is planned (default 0.9)")

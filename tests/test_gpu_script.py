@@ -1,0 +1,119 @@
+"""The one-call GPU campaign (examples/ted/gl-en-2x2-gpu/run.sh) dry-run at smoke size on the CPU:
+the checks, the probe, the budget sized from it, the four cells trained side by side, translated,
+scored and recorded in the gl-en 2x2 schema, all packed into at most 8 files that the device tool
+returns; and the budget arithmetic on its own. fairseq being importable, nothing is installed."""
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from experiments.gl_en_2x2 import CELLS
+from experiments.gpu_budget import plan, seeds
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = ROOT / "examples" / "ted" / "gl-en-2x2-gpu" / "run.sh"
+SCHEMA = {"norm", "attention", "seed", "updates", "test_bleu", "test_chrf", "best_dev_bleu", "hyp", "dev", "g",
+          "L", "g0", "train_seconds", "preset", "train_command", "data_sha1"}
+
+
+def script(*args, **env):
+    environ = dict(os.environ, VENV=sys.prefix, **{k: str(v) for k, v in env.items()})
+    return subprocess.run(["bash", str(RUN), *args], capture_output=True, text=True, env=environ, cwd=ROOT,
+                          timeout=3600)
+
+
+@pytest.fixture(scope="module")
+def gl_en(tmp_path_factory):
+    """A small corpus under TED gl-en's file names."""
+    from fairseq_qknorm_cli.toy_corpus import write_corpus
+
+    d = tmp_path_factory.mktemp("gl_en")
+    write_corpus(d, train=400, dev=12, test=12, seed=5)
+    for split in ("train", "dev", "test"):
+        (d / f"{split}.src").rename(d / f"{split}.gl")
+        (d / f"{split}.tgt").rename(d / f"{split}.en")
+    return d
+
+
+@pytest.fixture(scope="module")
+def dry_run(gl_en, tmp_path_factory):
+    out, work = tmp_path_factory.mktemp("out"), tmp_path_factory.mktemp("work")
+    proc = script(SMOKE=1, DATA_DIR=gl_en, WORK=work, OUT=out)
+    assert proc.returncode == 0, f"run.sh failed ({proc.returncode})\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    unpacked = tmp_path_factory.mktemp("unpacked")
+    with tarfile.open(out / "gl-en-2x2-gpu.tar.gz") as tar:
+        tar.extractall(unpacked, filter="data")
+    return out, unpacked, proc
+
+
+def test_out_holds_what_the_device_tool_returns(dry_run):
+    out, _, _ = dry_run
+    files = sorted(p.name for p in out.iterdir())
+    assert all((out / f).is_file() and re.fullmatch(r"[A-Za-z0-9._-]+", f) for f in files) and len(files) <= 8
+    assert {"gl-en-2x2-gpu.tar.gz", "run.log", "budget.json", "summary.md", "mixed-precision.log",
+            "benchmark.log", "benchmark-cpu-quick.json"} <= set(files)
+    log = (out / "run.log").read_text()
+    assert "checks: mixed-precision tests exit 0" in log and "checks: benchmark exit 0" in log
+    assert "4 of 4 runs recorded" in log
+    # without CUDA the CUDA cases are reported skipped, not passed
+    assert "4 skipped" in (out / "mixed-precision.log").read_text()
+
+
+def test_every_cell_is_recorded_with_the_campaign_schema_and_the_same_budget(dry_run, gl_en):
+    _, unpacked, _ = dry_run
+    records = unpacked / "records"
+    runs = json.loads((records / "runs.json").read_text())
+    budget = json.loads((records / "budget.json").read_text())
+    assert sorted((r["norm"], r["attention"]) for r in runs) == sorted(CELLS) and {r["seed"] for r in runs} == {1}
+    n_test = len((gl_en / "test.en").read_text().splitlines())
+    for r in runs:
+        assert SCHEMA <= set(r), SCHEMA - set(r)
+        assert r["updates"] == budget["updates"] == budget["epochs"] * budget["updates_per_epoch"]
+        assert len(r["dev"]) == budget["dev_points"]
+        assert r["preset"] == "smoke-gpu" and "--bf16" in r["train_command"]
+        assert f"--max-update {budget['updates']}" in r["train_command"]
+        assert len((records / r["hyp"]).read_text().splitlines()) == n_test
+        assert bool(r["g"]) == (r["attention"] == "qknorm")
+        name = f"{r['norm']}-{r['attention']}-seed{r['seed']}"
+        for log in (f"{name}.train.log", f"{name}.generate.log", f"probe-{name}.train.log"):
+            assert (unpacked / "logs" / log).is_file(), log
+    assert 1 <= budget["epochs"] <= 2 and budget["runs_side_by_side"] == 4
+    assert all(p["rate"] > 0 and p["updates"] == 4 for p in budget["probe"])
+    summary = (records / "summary.md").read_text()
+    assert f"{budget['epochs']} epochs ({budget['updates']} updates)" in summary
+    assert "Stopped by: the update budget (--max-update)" in summary
+
+
+def test_plan_fits_the_time_and_spaces_the_validations():
+    # 100 updates per epoch at 10/s: 10 s an epoch, 5 s a validation, 20 s start-up, 200 s left
+    epochs, every = plan(100, 10.0, 5.0, 20.0, 200.0, dev_points=8)
+    assert 20 + epochs * 10 + epochs // every * 5 <= 200 * 0.9 and epochs % every == 0
+    assert epochs // every <= 8
+    longer, _ = plan(100, 10.0, 5.0, 20.0, 2000.0, dev_points=8)
+    assert longer > epochs
+    assert plan(100, 10.0, 5.0, 20.0, 2000.0, dev_points=8, max_epochs=3) == (3, 1)
+    assert plan(100, 10.0, 5.0, 20.0, 25.0, dev_points=8) is None  # not one epoch fits
+
+
+def test_seeds_leave_two_cores_and_run_four_cells_a_seed():
+    assert seeds(16, 3) == [1, 2, 3] and seeds(16, 5) == [1, 2, 3] and seeds(2, 3) == [1]
+
+
+def test_bad_input_fails_with_one_line(tmp_path):
+    for proc, message in (
+        (script("bogus"), "unknown mode 'bogus'"),
+        (script("prepare", DATA_DIR=""), "DATA_DIR="),
+        (script(PRECISION="fp8", WORK=tmp_path / "w", OUT=tmp_path / "o", SMOKE=1, DATA_DIR=tmp_path),
+         "PRECISION=fp8"),
+    ):
+        assert proc.returncode != 0 and message in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, "-m", "experiments.gpu_budget", "size", str(tmp_path / "none"),
+                           "--deadline", "0", "--out", str(tmp_path / "b.json")], capture_output=True, text=True,
+                          cwd=ROOT)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'none'}/train.log: missing (did the probe's fairseq-train finish?)"]
