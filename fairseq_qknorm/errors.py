@@ -32,13 +32,14 @@ def one_line(error):
             path = _checkpoint_path(e)
             where = f" {path}" if path else ""
             return (f"refused to load checkpoint{where}: it holds {what}, which fairseq checkpoints never "
-                    "hold; nothing in it was run")
+                    "hold; nothing in it was run (a file you trust: name it in FAIRSEQ_QKNORM_TRUSTED_CHECKPOINT)")
     return None
 
 
 def _checkpoint_path(error):
+    # Every checkpoint load of fairseq goes through fairseq_patches.load_checkpoint_safely.
     for frame, _ in traceback.walk_tb(error.__traceback__):
-        if frame.f_code.co_name == "load_checkpoint_to_cpu":
+        if frame.f_code.co_name == "load_checkpoint_safely":
             return frame.f_locals.get("path")
     return None
 

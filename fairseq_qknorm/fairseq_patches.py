@@ -1,8 +1,10 @@
 """Every change the plugin makes to fairseq's own behaviour, in one place. `install()` runs once,
 when the plugin is imported (which `--user-dir` does); each patch is narrow and says why.
 
-1. Checkpoint loading: torch >= 2.6 loads with weights_only=True; the few non-tensor classes a
-   fairseq checkpoint holds are allow-listed, and only they.
+1. Checkpoint loading: fairseq's checkpoint loaders always load with torch's safe unpickler
+   (weights_only=True), whatever this fairseq passes; the few non-tensor classes a fairseq
+   checkpoint holds are allow-listed, and only they. FAIRSEQ_QKNORM_TRUSTED_CHECKPOINT names files
+   that may be loaded with the full unpickler instead.
 2. Checkpoint copies: written to a temporary name and renamed, so a kill during the copy never
    leaves a truncated checkpoint under a final name.
 3. `--cpu --bf16`: fairseq reads --bf16 as a TPU run; with --cpu the TPU flag is cleared, so
@@ -63,8 +65,68 @@ def fairseq_checkpoint_globals():
 
 
 def allow_fairseq_checkpoints():
-    if hasattr(torch.serialization, "add_safe_globals"):
-        torch.serialization.add_safe_globals(fairseq_checkpoint_globals())
+    torch.serialization.add_safe_globals(fairseq_checkpoint_globals())
+
+
+TRUSTED_CHECKPOINT_VARIABLE = "FAIRSEQ_QKNORM_TRUSTED_CHECKPOINT"
+
+
+def trusted_checkpoints():
+    """The files named in FAIRSEQ_QKNORM_TRUSTED_CHECKPOINT (several: separated by os.pathsep)."""
+    names = os.environ.get(TRUSTED_CHECKPOINT_VARIABLE, "").split(os.pathsep)
+    return {os.path.realpath(name) for name in names if name}
+
+
+def load_checkpoint_safely(f, map_location=None, weights_only=None, **kwargs):
+    """torch.load as fairseq's checkpoint loaders see it: weights_only=True whatever they pass
+    (upstream fairseq main passes weights_only=False, under which no allow-list applies). Only a
+    file the user named as trusted is loaded with the full unpickler, and the log says so."""
+    path = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)  # fairseq passes open files
+    if isinstance(path, (str, os.PathLike)) and os.path.realpath(path) in trusted_checkpoints():
+        logger.warning(f"loading {path} with torch's full unpickler ({TRUSTED_CHECKPOINT_VARIABLE}): "
+                       "it can run any code it holds; trust only a file whose origin you know")
+        return torch.load(f, map_location=map_location, weights_only=False, **kwargs)
+    return torch.load(f, map_location=map_location, weights_only=True, **kwargs)
+
+
+class _TorchWithSafeLoad:
+    """torch, with load_checkpoint_safely as its `load`: what a checkpoint-loading module of fairseq
+    sees under the name `torch`. torch itself, and every other module, keep torch.load as it is."""
+
+    load = staticmethod(load_checkpoint_safely)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _fairseq_average_checkpoints():
+    # fairseq's scripts/average_checkpoints.py is in no fairseq wheel; in a source checkout it is
+    # importable as scripts.average_checkpoints. Only a `scripts` folder beside the fairseq package
+    # in use counts (find_spec finds a top-level package without importing it).
+    import importlib.util
+
+    import fairseq
+
+    spec = importlib.util.find_spec("scripts")
+    fairseq_dir = os.path.realpath(os.path.dirname(fairseq.__file__))
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        beside_fairseq = os.path.realpath(os.path.join(location, os.pardir, "fairseq")) == fairseq_dir
+        if beside_fairseq and os.path.isfile(os.path.join(location, "average_checkpoints.py")):
+            return importlib.import_module("scripts.average_checkpoints")
+    return None
+
+
+def load_checkpoints_safely():
+    # Every checkpoint fairseq reads goes through checkpoint_utils (load_checkpoint_to_cpu:
+    # fairseq-train's resume, fairseq-generate, fairseq-interactive, hub from_pretrained;
+    # load_ema_from_checkpoint), or through the averaging script of a source checkout. Their global
+    # `torch` is replaced, so their torch.load calls, whatever arguments they pass, reach
+    # load_checkpoint_safely.
+    from fairseq import checkpoint_utils
+
+    for module in (checkpoint_utils, _fairseq_average_checkpoints()):
+        if module is not None and module.torch is torch:
+            module.torch = _TorchWithSafeLoad()
 
 
 # ------------------------------------------------------------------ 2. checkpoint copies
@@ -136,6 +198,7 @@ def install():
     if _installed:
         return
     allow_fairseq_checkpoints()
+    load_checkpoints_safely()
     make_checkpoint_copies_atomic()
     allow_cpu_bf16()
     install_excepthook()

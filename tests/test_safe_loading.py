@@ -1,13 +1,22 @@
 """With the plugin loaded, a checkpoint carrying an arbitrary pickled object is refused by every
-entry point, with a message naming what was refused, and nothing in it runs."""
+entry point, with a message naming what was refused and the file, and nothing in it runs. This
+holds under the pinned fairseq (which leaves torch.load's weights_only unset) and under a fairseq
+whose loader passes weights_only=False, as upstream fairseq main's does since its "Pt2.6
+compatibility" change; that fairseq is built here from the installed one."""
+import datetime
 import os
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 import fairseq_qknorm  # noqa: F401
 from conftest import USER_DIR, run, tool, train
+
+ROOT = Path(__file__).resolve().parents[1]
+TRUST = "FAIRSEQ_QKNORM_TRUSTED_CHECKPOINT"
 
 
 class RunsACommand:
@@ -18,58 +27,206 @@ class RunsACommand:
         return (os.system, (f"touch {self.marker}",))
 
 
+def with_extra(checkpoint, dest, payload):
+    """A copy of CHECKPOINT with PAYLOAD pickled into its extra_state, as a tampered file would be."""
+    state = torch.load(checkpoint)
+    state["extra_state"]["payload"] = payload
+    torch.save(state, dest)
+    return dest
+
+
 @pytest.fixture(scope="module")
 def poisoned(trained, tmp_path_factory):
     _, save = trained
     d = tmp_path_factory.mktemp("poisoned")
-    ckpt = torch.load(save / "checkpoint_best.pt")
     marker = d / "PWNED"
-    ckpt["extra_state"]["payload"] = RunsACommand(marker)
-    torch.save(ckpt, d / "checkpoint_last.pt")
+    with_extra(save / "checkpoint_best.pt", d / "checkpoint_last.pt", RunsACommand(marker))
     return d, marker
 
 
-def assert_refused(proc, marker):
-    last = proc.stderr.strip().splitlines()[-1]
+@pytest.fixture(scope="module")
+def fairseq_without_weights_only(tmp_path_factory):
+    """A fairseq whose checkpoint_utils passes weights_only=False to torch.load: the installed
+    fairseq with that file edited and every other entry linked."""
+    import fairseq
+
+    installed = Path(fairseq.__file__).parent
+    root = tmp_path_factory.mktemp("fairseq_weights_only_false")
+    (root / "fairseq").mkdir()
+    for entry in installed.iterdir():
+        if entry.name not in ("checkpoint_utils.py", "__pycache__"):
+            (root / "fairseq" / entry.name).symlink_to(entry)
+    source = (installed / "checkpoint_utils.py").read_text()
+    edited, calls = re.subn(r"torch\.load\(\s*f,", "torch.load(f, weights_only=False,", source)
+    assert calls == 2  # load_checkpoint_to_cpu, load_ema_from_checkpoint
+    (root / "fairseq" / "checkpoint_utils.py").write_text(edited)
+    return root
+
+
+@pytest.fixture(params=["pinned fairseq", "fairseq passing weights_only=False"])
+def fairseq_env(request):
+    """Environment for a subprocess that imports the pinned fairseq, or the one built above."""
+    if request.param == "pinned fairseq":
+        return {}
+    root = request.getfixturevalue("fairseq_without_weights_only")
+    return {"PYTHONPATH": os.pathsep.join([str(root), str(ROOT)])}
+
+
+def assert_refused(proc, marker, refused="posix.system", path=None):
+    last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
     assert proc.returncode != 0
-    assert last.startswith("error: refused to load checkpoint") and "posix.system" in last, proc.stderr[-2000:]
+    assert last.startswith("error: refused to load checkpoint") and refused in last, proc.stderr[-2000:]
+    assert path is None or str(path) in last
+    assert "Traceback" not in proc.stderr
     assert not marker.exists()
 
 
-def test_generate_refuses(trained, poisoned):
+def load_to_cpu(path, env, plugin=True):
+    """fairseq's checkpoint_utils.load_checkpoint_to_cpu on PATH, in a subprocess."""
+    code = ("import sys\n" + ("import fairseq_qknorm\n" if plugin else "") +
+            "from fairseq import checkpoint_utils\ncheckpoint_utils.load_checkpoint_to_cpu(sys.argv[1])")
+    return run([tool("python"), "-c", code, path], env=env, check=False)
+
+
+def test_the_built_fairseq_runs_the_payload_without_the_plugin(trained, fairseq_without_weights_only, tmp_path):
+    """What the tests below guard against: this fairseq alone runs what the checkpoint holds."""
+    _, save = trained
+    marker = tmp_path / "PWNED"
+    path = with_extra(save / "checkpoint_best.pt", tmp_path / "poisoned.pt", RunsACommand(marker))
+    env = {"PYTHONPATH": str(fairseq_without_weights_only)}
+    load_to_cpu(path, env, plugin=False)
+    assert marker.exists()
+
+
+def test_generate_refuses(trained, poisoned, fairseq_env):
     data, _ = trained
     d, marker = poisoned
     proc = run([tool("fairseq-generate"), data, "--user-dir", USER_DIR, "--path", d / "checkpoint_last.pt",
-                "--cpu", "--required-batch-size-multiple", "1"], check=False)
-    assert_refused(proc, marker)
+                "--cpu", "--required-batch-size-multiple", "1"], env=fairseq_env, check=False)
+    assert_refused(proc, marker, path=d / "checkpoint_last.pt")
 
 
-def test_interactive_refuses(trained, poisoned):
+def test_interactive_refuses(trained, poisoned, fairseq_env):
     data, _ = trained
     d, marker = poisoned
     proc = run([tool("fairseq-interactive"), data, "--user-dir", USER_DIR, "--path", d / "checkpoint_last.pt",
-                "--cpu", "--source-lang", "src", "--target-lang", "tgt"], input="a b c\n", check=False)
+                "--cpu", "--source-lang", "src", "--target-lang", "tgt"], input="a b c\n", env=fairseq_env,
+               check=False)
     assert_refused(proc, marker)
 
 
-def test_train_resume_refuses(trained, poisoned, tmp_path):
+def test_train_resume_refuses(trained, poisoned, fairseq_env, tmp_path):
     data, _ = trained
     d, marker = poisoned
     save = tmp_path / "ckpt"
     save.mkdir()
     shutil.copy(d / "checkpoint_last.pt", save / "checkpoint_last.pt")
-    proc = train(data, save, arch="transformer_qknorm_paper", max_update=70, check=False)
-    assert_refused(proc, marker)
+    proc = train(data, save, arch="transformer_qknorm_paper", max_update=70, env=fairseq_env, check=False)
+    assert_refused(proc, marker, path=save / "checkpoint_last.pt")
 
 
-def test_hub_refuses(trained, poisoned):
+def hub_load(data, directory, checkpoint_file, env):
+    code = (f"from fairseq.models.transformer import TransformerModel\n"
+            f"TransformerModel.from_pretrained({str(directory)!r}, checkpoint_file={checkpoint_file!r}, "
+            f"data_name_or_path={str(data)!r}, user_dir={USER_DIR!r})")
+    return run([tool("python"), "-c", code], env=env, check=False)
+
+
+def test_hub_refuses(trained, poisoned, fairseq_env):
     data, _ = trained
     d, marker = poisoned
-    code = (f"from fairseq.models.transformer import TransformerModel\n"
-            f"TransformerModel.from_pretrained({str(d)!r}, checkpoint_file='checkpoint_last.pt', "
-            f"data_name_or_path={str(data)!r}, user_dir={USER_DIR!r})")
-    proc = run([tool("python"), "-c", code], check=False)
-    assert proc.returncode != 0 and "posix.system" in proc.stderr and not marker.exists()
+    assert_refused(hub_load(data, d, "checkpoint_last.pt", fairseq_env), marker)
+
+
+def test_inspect_refuses(poisoned, fairseq_env):
+    d, marker = poisoned
+    proc = run([tool("fairseq-qknorm-inspect"), "g", d / "checkpoint_last.pt"], env=fairseq_env, check=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode != 0 and last.startswith("error: ") and str(d / "checkpoint_last.pt") in last
+    assert "Weights only load failed" in last and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert not marker.exists()
+
+
+@pytest.fixture(scope="module")
+def fairseq_checkout(fairseq_without_weights_only, tmp_path_factory):
+    """A fairseq source checkout: the fairseq built above, and scripts/average_checkpoints.py, which
+    no fairseq wheel ships; its loading call as upstream's, with weights_only=False."""
+    root = tmp_path_factory.mktemp("fairseq_checkout")
+    (root / "fairseq").symlink_to(fairseq_without_weights_only / "fairseq")
+    (root / "scripts").mkdir()
+    (root / "scripts" / "__init__.py").write_text("")
+    (root / "scripts" / "average_checkpoints.py").write_text(
+        "import torch\n"
+        "from fairseq.file_io import PathManager\n\n\n"
+        "def average_checkpoints(inputs):\n"
+        "    states = []\n"
+        "    for fpath in inputs:\n"
+        "        with PathManager.open(fpath, 'rb') as f:\n"
+        "            states.append(torch.load(f, map_location=(lambda s, _: "
+        "torch.serialization.default_restore_location(s, 'cpu')), weights_only=False))\n"
+        "    new_state = states[0]\n"
+        "    new_state['model'] = {k: sum(s['model'][k].float() for s in states) / len(states) "
+        "for k in new_state['model']}\n"
+        "    return new_state\n"
+    )
+    return root
+
+
+def average(checkout, paths):
+    code = ("import sys\nimport fairseq_qknorm\nfrom scripts.average_checkpoints import average_checkpoints\n"
+            "print(len(average_checkpoints(sys.argv[1:])['model']), 'tensors averaged')")
+    return run([tool("python"), "-c", code, *paths], cwd=checkout, env={"PYTHONPATH": str(ROOT)}, check=False)
+
+
+def test_checkpoint_averaging_of_a_fairseq_checkout_refuses(trained, poisoned, fairseq_checkout):
+    _, save = trained
+    d, marker = poisoned
+    proc = average(fairseq_checkout, [save / "checkpoint_best.pt", d / "checkpoint_last.pt"])
+    assert_refused(proc, marker, path=d / "checkpoint_last.pt")
+    proc = average(fairseq_checkout, [save / "checkpoint_best.pt", save / "checkpoint_last.pt"])
+    assert proc.returncode == 0 and "tensors averaged" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_a_normal_checkpoint_loads(trained, fairseq_env):
+    data, save = trained
+    run([tool("fairseq-generate"), data, "--user-dir", USER_DIR, "--path", save / "checkpoint_best.pt",
+         "--cpu", "--required-batch-size-multiple", "1", "--max-sentences", "8"], env=fairseq_env)
+    proc = hub_load(data, save, "checkpoint_best.pt", fairseq_env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_torch_switch_does_not_turn_safe_loading_off(poisoned):
+    """TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD only changes loads that leave weights_only unset."""
+    d, marker = poisoned
+    assert_refused(load_to_cpu(d / "checkpoint_last.pt", {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}), marker)
+
+
+@pytest.fixture(scope="module")
+def old_checkpoint(trained, tmp_path_factory):
+    """A benign checkpoint holding a class no fairseq checkpoint holds (a datetime.date)."""
+    _, save = trained
+    return with_extra(save / "checkpoint_best.pt", tmp_path_factory.mktemp("old") / "old.pt", datetime.date(2020, 1, 1))
+
+
+def test_trusted_checkpoint_loads_with_a_warning_naming_it(trained, old_checkpoint, fairseq_env):
+    data, _ = trained
+    generate = [tool("fairseq-generate"), data, "--user-dir", USER_DIR, "--path", old_checkpoint, "--cpu",
+                "--required-batch-size-multiple", "1", "--max-sentences", "8"]
+    refused = run(generate, env=fairseq_env, check=False)
+    last = refused.stderr.strip().splitlines()[-1]
+    assert refused.returncode != 0 and "datetime.date" in last and TRUST in last, refused.stderr[-2000:]
+
+    trusted = run(generate, env={**fairseq_env, TRUST: str(old_checkpoint)})
+    warning = [line for line in trusted.stderr.splitlines() if TRUST in line]
+    assert len(warning) == 1 and "WARNING" in warning[0] and str(old_checkpoint) in warning[0], trusted.stderr[-2000:]
+
+
+def test_trust_is_per_file(trained, old_checkpoint, poisoned):
+    """Naming one file trusts that file only: the poisoned checkpoint beside it is still refused."""
+    d, marker = poisoned
+    env = {TRUST: os.pathsep.join([str(old_checkpoint), str(d / "other.pt")])}
+    assert_refused(load_to_cpu(d / "checkpoint_last.pt", env), marker)
+    assert load_to_cpu(old_checkpoint, env).returncode == 0
 
 
 def test_stock_checkpoint_with_qknorm_flags_is_one_clear_line(trained, tmp_path):
