@@ -7,8 +7,8 @@ when the plugin is imported (which `--user-dir` does); each patch is narrow and 
    that may be loaded with the full unpickler instead.
 2. Checkpoint copies: written to a temporary name and renamed, so a kill during the copy never
    leaves a truncated checkpoint under a final name.
-3. `--cpu --bf16`: fairseq reads --bf16 as a TPU run; with --cpu the TPU flag is cleared, so
-   fairseq's own bf16 training runs on the CPU.
+3. `--bf16`: fairseq reads it as a TPU run; with --cpu, or without torch_xla, the TPU flag is
+   cleared, so fairseq's own bf16 training runs on the CPU or the GPU.
 4. Errors: the plugin's configuration errors and a refused checkpoint end the command with one
    line, not a traceback through fairseq (errors.one_line says which).
 5. numpy 2: fairseq's TokenBlockDataset (--task language_modeling --sample-break-mode eos) uses
@@ -149,19 +149,24 @@ def make_checkpoint_copies_atomic():
     PathManager.copy = staticmethod(atomic_copy)
 
 
-# ------------------------------------------------------------------ 3. --cpu --bf16
-def allow_cpu_bf16():
+# ------------------------------------------------------------------ 3. --bf16 without a TPU
+def allow_bf16_without_tpu():
     # fairseq 0.12's options.py sets --tpu whenever --bf16 is given, and on a machine without
-    # torch_xla fairseq-train then dies looking for an XLA device. Only --cpu --bf16 is touched.
+    # torch_xla fairseq-train then dies looking for an XLA device. With --cpu, or where torch_xla is
+    # not installed, there is no TPU to mean: the flag is cleared and fairseq's own bf16 training
+    # (model in bfloat16, float32 master weights) runs on the CPU or the GPU.
+    import importlib.util
+
     from fairseq.distributed import utils as distributed_utils
 
     fairseq_call_main = distributed_utils.call_main
 
     def call_main(cfg, main, **kwargs):
         common = cfg.common
-        if common.cpu and common.bf16 and common.tpu:
+        if common.bf16 and common.tpu and (common.cpu or importlib.util.find_spec("torch_xla") is None):
             common.tpu = False
-            logger.info("--cpu --bf16: bfloat16 on the CPU (fairseq reads --bf16 as --tpu; not a TPU run)")
+            where = "the CPU" if common.cpu else "CUDA"
+            logger.info(f"--bf16: bfloat16 on {where} (fairseq reads --bf16 as --tpu; not a TPU run)")
         return fairseq_call_main(cfg, main, **kwargs)
 
     distributed_utils.call_main = call_main
@@ -200,7 +205,7 @@ def install():
     allow_fairseq_checkpoints()
     load_checkpoints_safely()
     make_checkpoint_copies_atomic()
-    allow_cpu_bf16()
+    allow_bf16_without_tpu()
     install_excepthook()
     give_token_blocks_np_compat()
     _installed = True
