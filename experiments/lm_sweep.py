@@ -1,0 +1,299 @@
+"""Learning-rate sweep of small decoder-only language models, in the setting Wortsman et al. (2023)
+first reported attention-logit growth and learning-rate sensitivity in: fairseq's transformer_lm
+(stock), transformer_lm_qknorm with QKNorm (l2, learned g) and with QK LayerNorm, on English text.
+
+    python -m experiments.lm_sweep --train TEXT [TEXT ...] --valid TEXT --work-dir work/lm_sweep \\
+        --out-dir examples/lm_sweep [--lrs ...] [--seeds 1 2 3] [--updates 100] [--threads 1]
+
+The text files default to $LM_SWEEP_TRAIN (several: separated by ':') and $LM_SWEEP_VALID. The
+text is encoded with a sentencepiece BPE model trained on it (--vocab-size) and binarized by
+fairseq-preprocess --only-source once, into WORK/bin. Every run is fairseq's language_modeling
+task, model, criterion and Trainer, built from fairseq-train flags (results.json holds each run's
+command), with blocks of --tokens-per-sample tokens (--sample-break-mode none). The run records,
+the divergence rule, the tables and the figures are the translation sweep's (experiments.lr_sweep);
+here the attention statistics are taken on a fixed batch of validation blocks. RESULTS adds the
+learning-rate sensitivity of Wortsman et al.: the mean, over the swept rates, of
+min(final loss, loss at initialization) minus the best final loss of the arm.
+"""
+import argparse
+import math
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from experiments import lr_sweep
+from experiments.lr_sweep import divergence, finished_runs, progress_line, summarize, write_json
+from experiments.machine import machine
+from fairseq_qknorm_cli.files import fail, write_text
+from fairseq_qknorm_cli.logs import setup_logging
+
+# Every arm: pre-norm (fairseq's LM default), 2 layers, 64 wide, 4 heads (head dim 16), FFN 256,
+# shared input/output embeddings, no dropout. Only the attention differs. The arm names are the
+# translation sweep's, so that its tables and figures apply unchanged.
+MODEL = [
+    "--decoder-layers", "2", "--decoder-embed-dim", "64", "--decoder-input-dim", "64", "--decoder-output-dim", "64",
+    "--decoder-ffn-embed-dim", "256", "--decoder-attention-heads", "4", "--share-decoder-input-output-embed",
+    "--dropout", "0.0", "--attention-dropout", "0.0",
+]
+ARMS = {
+    "stock": ["--arch", "transformer_lm"],
+    # g0 = log2(L^2 - L), L = --tokens-per-sample (every block is that long)
+    "qknorm": ["--arch", "transformer_lm_qknorm", "--qk-norm", "l2", "--qk-scale", "learned",
+               "--qk-scale-init", "auto"],
+    "qk_layernorm": ["--arch", "transformer_lm_qknorm", "--qk-norm", "layernorm", "--qk-scale", "none"],
+}
+assert list(ARMS) == list(lr_sweep.ARMS)  # the shared tables order rows by the translation sweep's arms
+DEFAULT_LRS = [3e-3, 1e-2, 3e-2, 1e-1, 3e-1]
+TOKENS_PER_SAMPLE = 64
+MAX_TOKENS = 1024  # 16 blocks per update
+STATS_BLOCKS = 16  # the fixed batch: the first validation blocks
+
+
+def prepare_data(work_dir: Path, train, valid, vocab_size) -> Path:
+    """WORK/bin: the text, BPE-encoded by a sentencepiece model trained on the training text and
+    binarized by fairseq-preprocess --only-source; built under a temporary name, then renamed."""
+    bin_dir = work_dir / "bin"
+    if (bin_dir / "dict.txt").exists():
+        return bin_dir
+    tmp = work_dir / "bin.tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    tools = Path(sys.executable).parent
+
+    def step(*cmd, stdout=None):
+        print(f"| preparing data: {shlex.join(map(str, cmd))}", flush=True)
+        proc = subprocess.run([str(c) for c in cmd], stdout=stdout, stderr=subprocess.PIPE, text=True)
+        if proc.returncode != 0:
+            fail(f"{cmd[0]} failed:\n{proc.stderr[-2000:]}")
+
+    step(tools / "fairseq-qknorm-spm-train", "--input", ",".join(map(str, train)), "--model_prefix", tmp / "spm",
+         "--vocab_size", vocab_size)
+    for split, files in (("train", train), ("valid", [valid])):
+        with open(tmp / f"{split}.sp", "w") as out:
+            step(tools / "fairseq-qknorm-spm-encode", "--model", tmp / "spm.model", *files, stdout=out)
+    step(tools / "fairseq-preprocess", "--only-source", "--trainpref", tmp / "train.sp", "--validpref",
+         tmp / "valid.sp", "--destdir", tmp, "--workers", "1")
+    os.replace(tmp, bin_dir)
+    return bin_dir
+
+
+def fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir):
+    """The fairseq-train flags of one run (the translation sweep's optimizer and schedule)."""
+    from fairseq_qknorm import USER_DIR
+
+    return [
+        str(bin_dir), "--user-dir", USER_DIR, "--task", "language_modeling", "--sample-break-mode", "none",
+        "--tokens-per-sample", str(TOKENS_PER_SAMPLE), *ARMS[arm], *MODEL,
+        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--adam-eps", "1e-8", "--weight-decay", "0.0",
+        "--lr", repr(lr), "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(warmup), "--warmup-init-lr", "0",
+        "--clip-norm", "0", "--criterion", "cross_entropy", "--max-tokens", str(MAX_TOKENS),
+        "--required-batch-size-multiple", "1", "--max-update", str(updates), "--seed", str(seed), "--cpu",
+        "--num-workers", "0", "--save-dir", str(save_dir), "--no-save", "--data-buffer-size", "0",
+    ]
+
+
+def attention_snapshot(model, criterion, sample):
+    """On the fixed batch: its loss (bits per token) and, per self-attention module, the largest
+    pre-softmax logit over real query/key pairs (the causal mask's -inf left out), the smallest
+    per-head entropy and g when the module has one."""
+    import torch
+
+    from fairseq_qknorm.qknorm_attention import QKNormAttention
+    from fairseq_qknorm_cli.attention_stats import AttentionStats, attention_module, recording_attention, sort_key
+
+    valid = sample["net_input"]["src_tokens"].ne(criterion.padding_idx)
+    stats = {}
+
+    def on_attention(where, weights, logits):
+        stats.setdefault(where, AttentionStats()).add(weights, logits, valid, valid)
+
+    model.eval()
+    with torch.no_grad(), recording_attention(model, on_attention):
+        loss, sample_size, _ = criterion(model, sample)
+    g = {f"{w[0]} {w[1]}": m.qk_scale.g.tolist() for name, m in model.named_modules()
+         if (w := attention_module(name)) and isinstance(m, QKNormAttention) and m.qk_scale is not None}
+    order = sorted(stats, key=sort_key)
+    return {"loss": float(loss) / sample_size / math.log(2),
+            "max_logit": {f"{w[0]} {w[1]}": stats[w].logit_max for w in order},
+            "min_entropy": {f"{w[0]} {w[1]}": stats[w].min_head_entropy() for w in order}, "g": g}
+
+
+def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
+    """Train one arm at one peak learning rate; its record, as the translation sweep's."""
+    import torch
+    from fairseq import options, tasks, utils
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.logging import metrics
+    from fairseq.trainer import Trainer
+
+    with tempfile.TemporaryDirectory(prefix="lm_sweep_") as save_dir:
+        flags = fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir)
+        cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), flags))
+        metrics.reset()
+        utils.set_torch_seed(seed)
+        task = tasks.setup_task(cfg.task)
+        model = task.build_model(cfg.model)
+        criterion = task.build_criterion(cfg.criterion)
+        task.load_dataset("valid")
+        dev = task.dataset("valid")
+        fixed_batch = dev.collater([dev[i] for i in range(min(STATS_BLOCKS, len(dev)))])
+        trainer = Trainer(cfg, task, model, criterion)
+        epoch_itr = trainer.get_train_iterator(epoch=1)
+        from fairseq_qknorm import USER_DIR
+
+        command = "fairseq-train " + shlex.join(flags)  # without this machine's paths
+        paths = ((save_dir, "SAVE_DIR"), (str(bin_dir), "WORK/bin"), (USER_DIR, "$(fairseq-qknorm-user-dir)"))
+        for path, name in paths:
+            command = command.replace(path, name)
+        record = {"arm": arm, "lr": lr, "seed": seed, "command": command,
+                  "params": sum(p.numel() for p in model.parameters()),
+                  "qk_scale_init": getattr(cfg.model, "qk_scale_init", None) if arm == "qknorm" else None,
+                  "loss": [], "gnorm": [], "stats": [], "diverged": None}
+
+        def snapshot():
+            record["stats"].append({"update": len(record["loss"]), **attention_snapshot(model, criterion, fixed_batch)})
+
+        start = time.time()
+        snapshot()
+        while len(record["loss"]) < updates and record["diverged"] is None:
+            trainer.begin_epoch(epoch_itr.next_epoch_idx)
+            for sample in epoch_itr.next_epoch_itr(shuffle=True):
+                try:
+                    with metrics.aggregate() as step_metrics:  # the gradient norm is logged, not returned
+                        loss = trainer.train_step([sample])["loss"]
+                    gnorm = step_metrics.get_smoothed_values()["gnorm"]
+                except FloatingPointError:  # fairseq's answer to non-finite gradients
+                    loss, gnorm = None, None
+                record["loss"].append(loss)
+                record["gnorm"].append(gnorm)
+                record["diverged"] = divergence(record["loss"])
+                done = len(record["loss"])
+                stop = record["diverged"] is not None or done >= updates
+                if stop or done % stats_interval == 0:
+                    snapshot()
+                    log(progress_line(record))
+                if stop:
+                    break
+        record["seconds"] = round(time.time() - start, 1)
+        record["torch_threads"] = torch.get_num_threads()
+    return record
+
+
+def sensitivity(runs):
+    """Wortsman et al.'s learning-rate sensitivity per arm, over its seeds' mean final loss at each
+    rate: mean over rates of min(final loss, initial loss) minus the arm's best; a diverged run
+    counts as the initial loss (bits per token)."""
+    out = {}
+    for arm in ARMS:
+        rows = [summarize(r) for r in runs if r["arm"] == arm]
+        if not rows:
+            continue
+        initial = max(r["stats"][0]["loss"] for r in runs if r["arm"] == arm)
+        per_lr = {}
+        for lr in sorted({r["lr"] for r in rows}):
+            finals = [r["final"] if r["final"] is not None and math.isfinite(r["final"]) else initial
+                      for r in rows if r["lr"] == lr]
+            per_lr[lr] = min(sum(finals) / len(finals), initial)
+        best = min(per_lr.values())
+        out[arm] = {"sensitivity": sum(v - best for v in per_lr.values()) / len(per_lr), "best_final": best,
+                    "initial": initial, "lrs": len(per_lr)}
+    return out
+
+
+def sensitivity_table(runs):
+    lines = ["| arm | LR sensitivity (bits/token) | best final loss | loss at initialization | rates |",
+             "|---|---:|---:|---:|---:|"]
+    for arm, s in sensitivity(runs).items():
+        lines.append(f"| {arm} | {s['sensitivity']:.3f} | {s['best_final']:.3f} | {s['initial']:.3f} | {s['lrs']} |")
+    return "\n".join(lines)
+
+
+def _text_files(value):
+    return [Path(p) for p in value.split(os.pathsep) if p] if value else []
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m experiments.lm_sweep", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--train", nargs="+", type=Path, default=_text_files(os.environ.get("LM_SWEEP_TRAIN")),
+                   metavar="TEXT", help="English training text, one sentence a line (default: $LM_SWEEP_TRAIN)")
+    p.add_argument("--valid", type=Path, default=os.environ.get("LM_SWEEP_VALID"), metavar="TEXT",
+                   help="validation text: the fixed batch of the attention statistics (default: $LM_SWEEP_VALID)")
+    p.add_argument("--vocab-size", type=lr_sweep._positive_int, default=4000, help="sentencepiece BPE vocabulary")
+    p.add_argument("--lrs", nargs="+", type=lr_sweep._positive_float, default=DEFAULT_LRS, metavar="LR")
+    p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), metavar="ARM")
+    p.add_argument("--seeds", nargs="+", type=int, default=[1], metavar="SEED")
+    p.add_argument("--updates", type=lr_sweep._positive_int, default=100, help="updates per run")
+    p.add_argument("--warmup-updates", type=lr_sweep._positive_int, default=25)
+    p.add_argument("--stats-interval", type=lr_sweep._positive_int, default=20)
+    p.add_argument("--work-dir", type=Path, required=True, help="the binarized text (made once)")
+    p.add_argument("--out-dir", type=Path, required=True, help="results.json, the figures and the tables")
+    p.add_argument("--threads", type=lr_sweep._positive_int, default=1, help="torch CPU threads")
+    args = p.parse_args(argv)
+    if not args.train or not args.valid:
+        p.error("--train and --valid (or $LM_SWEEP_TRAIN and $LM_SWEEP_VALID) are needed")
+    for path in [*args.train, args.valid]:
+        if not path.is_file():
+            p.error(f"{path}: no such text file")
+    if args.warmup_updates > args.updates:
+        p.error(f"--warmup-updates {args.warmup_updates} exceeds --updates {args.updates}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    settings = {"updates": args.updates, "warmup_updates": args.warmup_updates, "stats_interval": args.stats_interval,
+                "model": MODEL, "arms": ARMS, "max_tokens": MAX_TOKENS, "tokens_per_sample": TOKENS_PER_SAMPLE,
+                "vocab_size": args.vocab_size, "text": [p.name for p in [*args.train, args.valid]],
+                "stats_blocks": STATS_BLOCKS, "window": lr_sweep.WINDOW}
+    results_path = args.out_dir / "results.json"
+    runs = finished_runs(results_path, settings)
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+
+    import logging
+    import warnings
+
+    setup_logging(sys.stdout)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    for message in (r"(?s).*hydra\.cc", r"(?s).*'pin_memory'", r"(?s).*torch\.cuda\.amp\.autocast"):
+        warnings.filterwarnings("ignore", message=message)
+    import fairseq
+
+    logging.getLogger("fairseq").setLevel(logging.WARNING)
+    logging.getLogger("fairseq.nan_detector").setLevel(logging.ERROR)
+    for name in ("hydra", "matplotlib"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+    def log(message):
+        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} | INFO | lm_sweep | {message}", flush=True)
+
+    bin_dir = prepare_data(args.work_dir, args.train, args.valid, args.vocab_size)
+    argv_text = shlex.join(sys.argv[1:] if argv is None else argv).replace(str(args.work_dir), "WORK")
+    for path in [*args.train, args.valid]:
+        argv_text = argv_text.replace(str(path), path.name)
+    header = {"command": "python -m experiments.lm_sweep " + argv_text, "settings": settings,
+              "machine": {**machine(), "torch": torch.__version__, "fairseq": fairseq.__version__,
+                          "torch_threads": args.threads}}
+    for seed in args.seeds:
+        for arm in args.arms:
+            for lr in args.lrs:
+                if any(r["arm"] == arm and r["lr"] == lr and r["seed"] == seed for r in runs):
+                    continue
+                runs.append(train_run(bin_dir, arm, lr, seed, args.updates, args.warmup_updates, args.stats_interval,
+                                      log))
+                write_json(results_path, {**header, "runs": runs})
+    write_json(results_path, {**header, "runs": runs})
+    lr_sweep.write_figures(runs, args.out_dir, args.updates)
+    tables = [lr_sweep.markdown_table(runs), lr_sweep.seed_table(runs), sensitivity_table(runs)]
+    write_text(str(args.out_dir / "tables.md"), "\n\n".join(tables) + "\n")
+    print("\n\n".join(tables))
+
+
+if __name__ == "__main__":
+    main()
