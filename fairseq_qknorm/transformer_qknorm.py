@@ -3,7 +3,9 @@ module, plus the paper's other switches (ScaleNorm, FixNorm, word dropout). Only
 overridden; forward passes are fairseq's own."""
 import argparse
 import logging
+import math
 
+import torch
 from fairseq.distributed import fsdp_wrap
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import (
@@ -14,8 +16,8 @@ from fairseq.models.transformer import (
     base_architecture,
 )
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
-from omegaconf import OmegaConf
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
+from omegaconf import OmegaConf
 
 from .errors import QKNormConfigError
 from .fixnorm import UnitNormEmbedding, UnitNormOutputProjection
@@ -40,7 +42,7 @@ class TransformerQKNormModel(TransformerModel):
         parser.add_argument("--qk-scale", choices=QK_SCALES,
                             help="scale of q.k: a learned scalar g, a fixed g, or none (1/sqrt(head_dim))")
         parser.add_argument("--qk-scale-init", metavar="auto|FLOAT", type=_auto_or_float,
-                            help="initial g; auto = log2(L^2 - L), L from the training split")
+                            help="initial g (> 0); auto = log2(L^2 - L), L from the training split")
         parser.add_argument("--qk-length-percentile", type=_percentile, metavar="P",
                             help="percentile of training lengths that gives L for auto (default 97.5)")
         parser.add_argument("--qk-scale-per-head", action="store_true",
@@ -49,7 +51,7 @@ class TransformerQKNormModel(TransformerModel):
                             help="sublayer norm: layernorm, or scalenorm (Nguyen & Salazar 2019)")
         parser.add_argument("--fixnorm", action="store_true",
                             help="unit-length word embeddings (FixNorm)")
-        parser.add_argument("--word-dropout", type=float, metavar="P",
+        parser.add_argument("--word-dropout", type=_probability, metavar="P",
                             help="replace input tokens by <unk> with probability P while training")
 
     @classmethod
@@ -99,36 +101,72 @@ class TransformerQKNormModel(TransformerModel):
         return QKNormTransformerDecoder(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
 
 
+def _number(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan  # refused by every range check below
+
+
+def _positive_g(value) -> bool:
+    # g multiplies the cosine similarities: g <= 0 sends attention to the least similar keys, and
+    # NaN or infinity make every attention weight NaN or one-hot from the first step.
+    return math.isfinite(value) and value > 0
+
+
 def _auto_or_float(value: str):
     if value == "auto":
         return value
-    try:
-        return float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a number, got {value!r}") from None
+    if not _positive_g(_number(value)):
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive finite number, got {value!r}")
+    return float(value)
 
 
 def _percentile(value: str) -> float:
-    try:
-        p = float(value)
-    except ValueError:
-        p = float("nan")
+    p = _number(value)
     if not 0 < p <= 100:
         raise argparse.ArgumentTypeError(f"expected a percentile in (0, 100], got {value!r}")
     return p
 
 
+def _probability(value: str) -> float:
+    # p = 1 would replace every input token by <unk>: nothing would be left to translate.
+    p = _number(value)
+    if not 0 <= p < 1:
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), got {value!r}")
+    return p
+
+
+def check_qk_flags(args):
+    """The checks of add_args's types, again for values that never went through argparse
+    (fairseq-hydra-train's config, a saved Namespace), and those that need two flags."""
+    percentile = getattr(args, "qk_length_percentile", 97.5)
+    if not 0 < _number(percentile) <= 100:
+        raise QKNormConfigError(f"--qk-length-percentile: expected a percentile in (0, 100], got {percentile!r}")
+    word_dropout = getattr(args, "word_dropout", 0.0)
+    if not 0 <= _number(word_dropout) < 1:
+        raise QKNormConfigError(f"--word-dropout: expected a probability in [0, 1), got {word_dropout!r}")
+    if getattr(args, "qk_scale_per_head", False):
+        if args.qk_scale == "none":
+            raise QKNormConfigError("--qk-scale-per-head: there is no g with --qk-scale none; "
+                                    "use --qk-scale learned or fixed, or drop --qk-scale-per-head")
+        heads = [getattr(args, f"{side}_attention_heads", None) for side in ("encoder", "decoder")]
+        if max((h for h in heads if h is not None), default=None) == 1:
+            raise QKNormConfigError("--qk-scale-per-head: every attention has one head, so one g per head "
+                                    "is one g per module; drop --qk-scale-per-head")
+
+
 def resolve_qk_scale_init(args, task) -> float:
     """--qk-scale-init as a number. `auto` reads L from the binarized training split once, at
     training time; the number replaces `auto` in the saved args, so loading never needs the data."""
+    check_qk_flags(args)
     value = args.qk_scale_init
-    if args.qk_scale == "none" or not isinstance(value, str):
+    if args.qk_scale == "none":
         return value
     if value != "auto":
-        try:
-            return float(value)
-        except ValueError:
-            raise QKNormConfigError(f"--qk-scale-init: expected 'auto' or a number, got {value!r}") from None
+        if not _positive_g(_number(value)):
+            raise QKNormConfigError(f"--qk-scale-init: expected 'auto' or a positive finite number, got {value!r}")
+        return float(value)
     data = getattr(getattr(task, "cfg", None), "data", None)
     if not data:
         raise QKNormConfigError("--qk-scale-init auto needs the task's binarized training data; pass a number instead")
@@ -137,6 +175,21 @@ def resolve_qk_scale_init(args, task) -> float:
     logger.info(f"qk-norm: L={length} ({args.qk_length_percentile:g}th percentile of '{split}' lengths) "
                 f"g0=log2(L^2-L)={g0:.4f}")
     return g0
+
+
+def warn_if_g_not_positive(module, prefix, num_updates):
+    """Log once per learned g that has reached g <= 0: the flags only guard its initial value, and
+    training (a high learning rate, weight decay) can still push it there."""
+    gs = {name: p for name, p in module.named_parameters() if name.endswith("qk_scale.g")}
+    if not gs or torch.stack([g.detach().min() for g in gs.values()]).min().item() > 0:  # one sync an update
+        return
+    warned = module.__dict__.setdefault("_warned_nonpositive_g", set())
+    for name, g in gs.items():
+        if name not in warned and g.detach().min().item() <= 0:
+            warned.add(name)
+            logger.warning(f"qk-norm: the learned g {prefix}{name} is {g.detach().min().item():.4g} at update "
+                           f"{num_updates}: g <= 0 turns attention towards the least similar keys (lower the "
+                           "learning rate, or the weight decay on g)")
 
 
 def build_attention(embed_dim, num_heads, cfg, **kwargs):
@@ -196,6 +249,10 @@ class QKNormTransformerEncoder(TransformerEncoderBase):
     def build_encoder_layer(self, cfg):
         return wrap_layer(QKNormEncoderLayer(cfg), cfg)
 
+    def set_num_updates(self, num_updates):
+        super().set_num_updates(num_updates)
+        warn_if_g_not_positive(self, "encoder.", num_updates)
+
     def forward_embedding(self, src_tokens, token_embedding=None):
         src_tokens = word_dropout(src_tokens, self.word_dropout, self.dictionary, self.training)
         return super().forward_embedding(src_tokens, token_embedding)
@@ -210,6 +267,10 @@ class QKNormTransformerDecoder(TransformerDecoderBase):
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         return wrap_layer(QKNormDecoderLayer(cfg, no_encoder_attn), cfg)
+
+    def set_num_updates(self, num_updates):
+        # fairseq's trainer calls this on every module of the model before each update.
+        warn_if_g_not_positive(self, "decoder.", num_updates)
 
     def build_output_projection(self, cfg, dictionary, embed_tokens):
         super().build_output_projection(cfg, dictionary, embed_tokens)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import USER_DIR, run, tool, train
 
 import fairseq_qknorm  # noqa: F401
-from conftest import USER_DIR, run, tool, train
 
 ROOT = Path(__file__).resolve().parents[1]
 TRUST = "FAIRSEQ_QKNORM_TRUSTED_CHECKPOINT"
