@@ -1,8 +1,10 @@
 """fairseq-qknorm: Query-Key Normalization (Henry et al., 2020) as a fairseq --user-dir plugin.
 
 fairseq is deliberately not in install_requires: users who built fairseq from source, or use a
-fork, already have it under their own distribution name. `pip install fairseq-qknorm[fairseq]`
-pulls the tested build (ve-fairseq: upstream fairseq main plus the Python 3.11 patch).
+fork, already have it under their own distribution name. The tested build, ve-fairseq (upstream
+fairseq main plus the Python 3.11 patch), declares torchaudio, which translation never uses and
+whose wheels pull or need another torch: it is installed with `pip install --no-deps` (README), and
+what fairseq really needs at run time is listed here instead.
 """
 from setuptools import find_packages, setup
 
@@ -15,9 +17,13 @@ setup(
     packages=find_packages(include=["fairseq_qknorm", "fairseq_qknorm_cli"]),
     package_data={"fairseq_qknorm": ["config/*.yaml"]},
     python_requires=">=3.9",
-    install_requires=["torch>=2.0", "numpy", "sentencepiece", "sacrebleu>=2.0"],
+    install_requires=[
+        "torch>=2.4",  # torch.serialization.add_safe_globals: the allow-list of safe checkpoint loading
+        "numpy", "sentencepiece", "sacrebleu>=2.0",
+        # fairseq's own needs, as ve-fairseq declares them, less torchaudio
+        "bitarray", "cffi", "cython", "hydra-core>=1.3.2", "omegaconf", "packaging", "regex", "scikit-learn", "tqdm",
+    ],
     extras_require={
-        "fairseq": ["ve-fairseq==0.12.3"],
         "plot": ["matplotlib"],
         "test": ["pytest"],
     },
