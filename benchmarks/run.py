@@ -219,7 +219,10 @@ def _headline(benchmark, m):
 
 def git_commit():
     def git(*a):
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        try:
+            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        except OSError:  # no git on the machine (a lent GPU machine, say)
+            return ""
 
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
     return commit + ("+modified" if git("status", "--porcelain", "fairseq_qknorm") else "")

@@ -33,6 +33,19 @@ set_pair() {
     QKNORM_ARCH=transformer_qknorm_paper$ARCH_SUFFIX
 }
 
+# The 2x2 ({ScaleNorm, LayerNorm} x {scaled dot product, QKNorm}) as recipe arms NAME:ARCH:FLAGS,
+# one per cell NORM.ATTENTION; ted/ablation.sh 2x2 and the gl-en 2x2 campaigns train these.
+TWO_BY_TWO_CELLS="scalenorm.dot scalenorm.qknorm layernorm.dot layernorm.qknorm"
+two_by_two_arm() {
+    case $1 in
+        scalenorm.dot) echo "baseline:$BASELINE_ARCH:" ;;
+        scalenorm.qknorm) echo "scalenorm-qknorm:$QKNORM_ARCH:--norm-type scalenorm" ;;
+        layernorm.dot) echo "layernorm-dot:$QKNORM_ARCH:--qk-norm none --qk-scale none" ;;
+        layernorm.qknorm) echo "qknorm:$QKNORM_ARCH:" ;;
+        *) die "unknown 2x2 cell '$1' (expected one of: $TWO_BY_TWO_CELLS)" ;;
+    esac
+}
+
 # ---------------------------------------------------------------------------------------------
 # Presets: only sizes and budgets differ, never the pipeline. Every value can be overridden by
 # the environment variable of the same name (e.g. STOP_HOURS=2 PRESET=cpu ...).

@@ -19,8 +19,7 @@ set_preset "${PRESET:-paper}"
 baseline="baseline:$BASELINE_ARCH"
 qknorm="qknorm:$QKNORM_ARCH"
 case $ablation in
-    2x2) arms=("$baseline" "scalenorm-qknorm:$QKNORM_ARCH:--norm-type scalenorm"
-               "layernorm-dot:$QKNORM_ARCH:--qk-norm none --qk-scale none" "$qknorm") ;;
+    2x2) arms=(); for cell in $TWO_BY_TWO_CELLS; do arms+=("$(two_by_two_arm "$cell")"); done ;;
     no-g) arms=("$qknorm" "qknorm-no-g:$QKNORM_ARCH:--qk-scale fixed --qk-scale-init 1") ;;
     length99) arms=("$qknorm" "qknorm-length99:$QKNORM_ARCH:--qk-length-percentile 99") ;;
     heads16) arms=("$qknorm" "qknorm-16heads:$QKNORM_ARCH:--encoder-attention-heads 16 --decoder-attention-heads 16") ;;

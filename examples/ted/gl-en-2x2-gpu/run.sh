@@ -35,14 +35,7 @@ PACK=gl-en-2x2-gpu.tar.gz
 if [ "$SMOKE" = 1 ]; then WORK=${WORK:-$ROOT/work/gl-en-2x2-gpu-smoke}; else WORK=${WORK:-$ROOT/.gpu-data}; fi
 export WORK
 
-# Cell -> architecture and flags, the arms of ../ablation.sh 2x2.
 set_pair gl-en
-declare -A ARM=(
-    [scalenorm.dot]="$BASELINE_ARCH:"
-    [scalenorm.qknorm]="$QKNORM_ARCH:--norm-type scalenorm"
-    [layernorm.dot]="$QKNORM_ARCH:--qk-norm none --qk-scale none"
-    [layernorm.qknorm]="$QKNORM_ARCH:"
-)
 
 # `python` must be the interpreter that holds torch (a machine may name it python3 only).
 use_python() {
@@ -126,10 +119,10 @@ pack() {
 # final: train, translate the test set, record, pack.
 one() {
     [ $# -eq 4 ] || die "usage: run.sh one probe|final NORM ATTENTION SEED"
-    local phase=$1 norm=$2 attention=$3 seed=$4 arch flags summary
-    [ -n "${ARM[$norm.$attention]:-}" ] || die "unknown cell '$norm $attention'"
+    local phase=$1 norm=$2 attention=$3 seed=$4 spec arch flags summary
     set_preset "$BASE_PRESET"
-    IFS=: read -r arch flags <<< "${ARM[$norm.$attention]}"
+    spec=$(two_by_two_arm "$norm.$attention")
+    IFS=: read -r _ arch flags <<< "$spec"
     local dir=$WORK/arms/$norm-$attention-seed$seed
     case $phase in probe) dir=$WORK/probe/$norm-$attention-seed$seed ;; final) ;; *) die "unknown phase '$phase'" ;; esac
     # shellcheck disable=SC2086  # flags is a flag list
@@ -161,10 +154,6 @@ left() { echo $((START + TIME_LIMIT - $(date +%s) - $1)); }
 checks() {
     local device=cuda tests bench status
     [[ " $DEVICE_FLAGS " != *" --cpu "* ]] || device=cpu
-    if ! command -v git > /dev/null; then  # the benchmark asks git for the commit: a stand-in that knows none
-        printf '#!/bin/sh\nexit 1\n' > "$WORK/.bin/git" && chmod +x "$WORK/.bin/git"
-        PATH="$WORK/.bin:$PATH"
-    fi
     log "checks: tests/test_mixed_precision.py -k cuda and benchmarks.run --device $device --quick, ${CHECK_SECONDS}s each, side by side"
     (cd "$ROOT" && timeout -k 5 "$CHECK_SECONDS" python -m pytest -q -rs -p no:cacheprovider -k cuda tests/test_mixed_precision.py) \
         > "$OUT/mixed-precision.log" 2>&1 &

@@ -28,17 +28,11 @@ prepare
 mkdir -p "$RECORDS"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
-# Cell -> the arm of ted/ablation.sh 2x2 (same names, so a WORK shared with it trains each once).
-declare -A ARM=(
-    [scalenorm.dot]="baseline:$BASELINE_ARCH:"
-    [scalenorm.qknorm]="scalenorm-qknorm:$QKNORM_ARCH:--norm-type scalenorm"
-    [layernorm.dot]="layernorm-dot:$QKNORM_ARCH:--qk-norm none --qk-scale none"
-    [layernorm.qknorm]="qknorm:$QKNORM_ARCH:"
-)
-
 run_one() {
-    local norm=$1 attention=$2 seed=$3 name arch flags dir
-    IFS=: read -r name arch flags <<< "${ARM[$norm.$attention]}"
+    local norm=$1 attention=$2 seed=$3 spec name arch flags dir
+    # the arms of ted/ablation.sh 2x2 (same names: a WORK shared with it trains each once)
+    spec=$(two_by_two_arm "$norm.$attention")
+    IFS=: read -r name arch flags <<< "$spec"
     dir=$WORK/arms/$name-seed$seed
     export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
     # shellcheck disable=SC2086  # flags is a flag list
