@@ -31,11 +31,14 @@ from experiments.machine import machine
 from fairseq_qknorm_cli.files import fail, write_text
 from fairseq_qknorm_cli.logs import setup_logging
 
-# Every arm: pre-norm (fairseq's LM default), 2 layers, 64 wide, 4 heads (head dim 16), FFN 256,
-# shared input/output embeddings, no dropout. Only the attention differs. The arm names are the
-# translation sweep's, so that its tables and figures apply unchanged.
+# Every arm: pre-norm with a final LayerNorm, 2 layers, 64 wide, 4 heads (head dim 16), FFN 256,
+# shared input/output embeddings, no dropout. Only the attention differs. fairseq's `--arch
+# transformer_lm` takes its dataclass defaults, which are post-norm (its named LM architectures and
+# transformer_lm_qknorm are pre-norm): --decoder-normalize-before makes the stock arm pre-norm too.
+# The arm names are the translation sweep's, so that its tables and figures apply unchanged.
 MODEL = [
-    "--decoder-layers", "2", "--decoder-embed-dim", "64", "--decoder-input-dim", "64", "--decoder-output-dim", "64",
+    "--decoder-normalize-before", "--decoder-layers", "2",
+    "--decoder-embed-dim", "64", "--decoder-input-dim", "64", "--decoder-output-dim", "64",
     "--decoder-ffn-embed-dim", "256", "--decoder-attention-heads", "4", "--share-decoder-input-output-embed",
     "--dropout", "0.0", "--attention-dropout", "0.0",
 ]

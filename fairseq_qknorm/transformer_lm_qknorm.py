@@ -106,8 +106,10 @@ def sample_lengths(task, split):
 
 @register_model_architecture("transformer_lm_qknorm", "transformer_lm_qknorm")
 def qknorm_lm_base_architecture(args):
-    """fairseq's `transformer_lm` (512, 6 layers, 8 heads, pre-norm) with the paper's QK-norm in
-    every self attention. Also fills in the plugin's args for checkpoints that predate one."""
+    """fairseq's LM defaults (base_lm_architecture: 512, 6 layers, 8 heads, FFN 2048, pre-norm, as
+    every named fairseq LM architecture) with the paper's QK-norm in every self attention. (fairseq's
+    own `--arch transformer_lm` skips base_lm_architecture and is post-norm.) Also fills in the
+    plugin's args for checkpoints that predate one."""
     args.qk_norm = getattr(args, "qk_norm", "l2")
     args.qk_scale = getattr(args, "qk_scale", "learned")
     args.qk_scale_init = getattr(args, "qk_scale_init", "auto")
