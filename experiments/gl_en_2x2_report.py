@@ -248,7 +248,8 @@ def write_report(records, data_dir):
            "Data: TED gl-en as ../shared/data/ted-gl-en holds it (the CMU 11-731 extraction of Qi et al.'s",
            "corpus: 11,233 / 742 / 1,112 sentence pairs; runs.json records the sha1 of every file). Each",
            "entry of runs.json holds its fairseq-train command, dev curve, learned g and training time;",
-           "two runs trained side by side with one thread each.", ""]
+           "two runs trained side by side with one thread each, on a 2-core machine that other jobs also",
+           "used at times: the training times say how long a run took there, not what a run costs.", ""]
     if runs:
         dev_figure(records, runs)
     write_text(os.path.join(records, "README.md"), "\n".join(md))
