@@ -14,7 +14,8 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
         f"fairseq-qknorm needs fairseq, which failed to import ({e}); install it with "
-        "`pip install fairseq-qknorm[fairseq]` or `bash scripts/setup.sh`"
+        "`bash scripts/setup.sh`, or by the pip route in README.md (torch first, then "
+        "`pip install --no-deps ve-fairseq==0.12.3`)"
     ) from None
 
 from . import fairseq_patches  # noqa: E402

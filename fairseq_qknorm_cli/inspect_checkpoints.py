@@ -29,14 +29,13 @@ NORM_NAMES = {"layernorm": "LayerNorm", "scalenorm": "ScaleNorm"}
 
 
 def load_checkpoint(path):
-    """The checkpoint as a dict, loaded with weights_only=True (the plugin allow-lists fairseq's
-    few non-tensor classes on import)."""
-    import torch
-
-    import fairseq_qknorm  # noqa: F401
+    """The checkpoint as a dict, loaded as the plugin has fairseq load checkpoints: torch's safe
+    unpickler with fairseq's few non-tensor classes allow-listed, unless the user named the file
+    as trusted."""
+    from fairseq_qknorm.fairseq_patches import load_checkpoint_safely
 
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = load_checkpoint_safely(path, map_location="cpu")
     except Exception as e:  # a truncated file, not a checkpoint, or a class outside the allow-list
         fail(f"{path}: cannot be read as a fairseq checkpoint ({str(e).strip().splitlines()[0]})")
     if not isinstance(state, dict) or "model" not in state:
