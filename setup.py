@@ -6,6 +6,7 @@ fairseq main plus the Python 3.11 patch), declares torchaudio, which translation
 whose wheels pull or need another torch: it is installed with `pip install --no-deps` (README), and
 what fairseq really needs at run time is listed here instead.
 """
+
 from setuptools import find_packages, setup
 
 setup(
@@ -19,9 +20,19 @@ setup(
     python_requires=">=3.9",
     install_requires=[
         "torch>=2.4",  # torch.serialization.add_safe_globals: the allow-list of safe checkpoint loading
-        "numpy", "sentencepiece", "sacrebleu>=2.0",
+        "numpy",
+        "sentencepiece",
+        "sacrebleu>=2.0",
         # fairseq's own needs, as ve-fairseq declares them, less torchaudio
-        "bitarray", "cffi", "cython", "hydra-core>=1.3.2", "omegaconf", "packaging", "regex", "scikit-learn", "tqdm",
+        "bitarray",
+        "cffi",
+        "cython",
+        "hydra-core>=1.3.2",
+        "omegaconf",
+        "packaging",
+        "regex",
+        "scikit-learn",
+        "tqdm",
     ],
     extras_require={
         "plot": ["matplotlib"],

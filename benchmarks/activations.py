@@ -4,19 +4,24 @@ MiB of tensors that autograd keeps for backward in one training forward (model a
 cross entropy) on the largest batch of the training benchmark, parameters left out; and the ratio to
 stock. An exact count, so a busy machine does not change it, and it takes seconds per arm where the
 training benchmark at glen size takes minutes."""
+
 import argparse
 import os
 import sys
 
-from .run import FULL, LENGTHS_ENV, MODEL_ARMS, GENERATE_ONLY
 from .lengths import read_pair_lengths
+from .run import FULL, GENERATE_ONLY, LENGTHS_ENV, MODEL_ARMS
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.activations", description=__doc__.split("\n")[0])
     p.add_argument("--sizes", nargs="+", choices=("glen", "small", "tiny"), default=["glen", "small"])
-    p.add_argument("--lengths-from", default=os.environ.get(LENGTHS_ENV), metavar="SRC,TGT",
-                   help=f"as for benchmarks.run (default: ${LENGTHS_ENV})")
+    p.add_argument(
+        "--lengths-from",
+        default=os.environ.get(LENGTHS_ENV),
+        metavar="SRC,TGT",
+        help=f"as for benchmarks.run (default: ${LENGTHS_ENV})",
+    )
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
     if not args.lengths_from or len(args.lengths_from.split(",")) != 2:
@@ -40,7 +45,7 @@ def main(argv=None):
             data = random_pairs(lengths, FULL["train_sentences"], task.source_dictionary, args.seed, FULL["max_len"])
             batches = training_batches(data, FULL["max_tokens"], args.seed)
             largest = max(batches, key=lambda b: b["net_input"]["src_tokens"].numel() + b["target"].numel())
-            mib = activations_mb(model.train(), lambda: criterion(model, largest))
+            mib = activations_mb(model.train(), lambda: criterion(model, largest))  # noqa: B023 (called here)
             stock = stock or mib
             print(f"| {size} fp32 | {arm} | {mib:,.1f} | {mib / stock:.3f} |", flush=True)
 

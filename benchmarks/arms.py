@@ -1,5 +1,6 @@
 """The models compared. Every arm gets the same dimensions and the same flags (PreNorm, shared
 embeddings, dropout); the arms differ only in what their architecture is about."""
+
 import argparse
 from dataclasses import dataclass
 
@@ -56,12 +57,20 @@ def model_args(arm: str, size: Size) -> argparse.Namespace:
     arch, own = ARMS[arm]
     args = argparse.Namespace(
         arch=arch,
-        encoder_embed_dim=size.dim, decoder_embed_dim=size.dim,
-        encoder_ffn_embed_dim=size.ffn, decoder_ffn_embed_dim=size.ffn,
-        encoder_layers=size.layers, decoder_layers=size.layers,
-        encoder_attention_heads=size.heads, decoder_attention_heads=size.heads,
-        encoder_normalize_before=True, decoder_normalize_before=True, share_all_embeddings=True,
-        dropout=0.1, attention_dropout=0.0, activation_dropout=0.0,
+        encoder_embed_dim=size.dim,
+        decoder_embed_dim=size.dim,
+        encoder_ffn_embed_dim=size.ffn,
+        decoder_ffn_embed_dim=size.ffn,
+        encoder_layers=size.layers,
+        decoder_layers=size.layers,
+        encoder_attention_heads=size.heads,
+        decoder_attention_heads=size.heads,
+        encoder_normalize_before=True,
+        decoder_normalize_before=True,
+        share_all_embeddings=True,
+        dropout=0.1,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
         **own,
     )
     if arch != "transformer":

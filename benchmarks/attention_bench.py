@@ -1,6 +1,7 @@
 """The attention layer alone: forward + backward of self and cross attention over padded batches,
 and one incremental decoding step (beam search) against a cache, for fairseq's MultiheadAttention,
 QKNormAttention and the plain QK-norm. All arms run in one process, interleaved case by case."""
+
 import math
 
 import torch
@@ -81,6 +82,7 @@ class AttentionBench:
                 x.grad = enc.grad = None
                 out, _ = module(x, enc, enc, key_padding_mask=mask, need_weights=False)
                 out.backward(grad)
+
             return call
 
         return {arm: make(self._module(arm, cross).train()) for arm in ATTENTION_ARMS}
@@ -99,21 +101,35 @@ class AttentionBench:
             state = {}
             with torch.no_grad():  # fill the cache once, as the first steps would
                 if cross:
-                    module(x, enc, enc, key_padding_mask=enc_mask, incremental_state=state, static_kv=True,
-                           need_weights=False)
+                    module(
+                        x,
+                        enc,
+                        enc,
+                        key_padding_mask=enc_mask,
+                        incremental_state=state,
+                        static_kv=True,
+                        need_weights=False,
+                    )
                 else:
-                    module(self._randn(cache, hyps, self.dim), None, None, incremental_state=state,
-                           need_weights=False)
+                    module(self._randn(cache, hyps, self.dim), None, None, incremental_state=state, need_weights=False)
             filled = dict(module._get_input_buffer(state))
 
             @torch.no_grad()
             def call():
                 module._set_input_buffer(state, dict(filled))  # the same cache length at every call
                 if cross:
-                    module(x, enc, enc, key_padding_mask=enc_mask, incremental_state=state, static_kv=True,
-                           need_weights=False)
+                    module(
+                        x,
+                        enc,
+                        enc,
+                        key_padding_mask=enc_mask,
+                        incremental_state=state,
+                        static_kv=True,
+                        need_weights=False,
+                    )
                 else:
                     module(x, x, x, incremental_state=state, need_weights=False)
+
             return call
 
         return {arm: make(self._module(arm, cross)) for arm in ATTENTION_ARMS}
@@ -123,5 +139,8 @@ class AttentionBench:
         out = {}
         for name, fns in self.cases.items():
             n = self.calls[name]
-            out[name] = {arm: 1e3 * timed(lambda: [fn() for _ in range(n)], self.device) / n for arm, fn in fns.items()}
+            out[name] = {
+                arm: 1e3 * timed(lambda: [fn() for _ in range(n)], self.device) / n  # noqa: B023 (called here)
+                for arm, fn in fns.items()
+            }
         return out

@@ -8,6 +8,7 @@ float32 and int8, each with --threads threads, one prompt at a time and all prom
 The model is exported with fairseq-qknorm-export-ct2. Reported: tokens per second of wall time and
 of this process's CPU time (the steadier of the two on a shared machine), best of --repeats.
 """
+
 import argparse
 import json
 import os
@@ -33,8 +34,14 @@ def best_of(repeats, fn):
 def fairseq_runner(hub, prompts, new_tokens, batched):
     from fairseq.sequence_generator import SequenceGenerator
 
-    generator = SequenceGenerator(hub.models, hub.task.target_dictionary, beam_size=1, max_len_a=0,
-                                  max_len_b=new_tokens + len(prompts[0]), min_len=new_tokens + len(prompts[0]))
+    generator = SequenceGenerator(
+        hub.models,
+        hub.task.target_dictionary,
+        beam_size=1,
+        max_len_a=0,
+        max_len_b=new_tokens + len(prompts[0]),
+        min_len=new_tokens + len(prompts[0]),
+    )
     eos = hub.task.source_dictionary.eos()
     batches = [prompts] if batched else [[p] for p in prompts]
 
@@ -56,8 +63,9 @@ def ct2_runner(model_dir, compute_type, threads, words, new_tokens, batched):
 
     def run():
         for batch in batches:
-            generator.generate_batch(batch, max_length=new_tokens, min_length=new_tokens, sampling_topk=1,
-                                     include_prompt_in_result=False)
+            generator.generate_batch(
+                batch, max_length=new_tokens, min_length=new_tokens, sampling_topk=1, include_prompt_in_result=False
+            )
 
     return run
 
@@ -94,32 +102,58 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         for quantization in ("float32", "int8"):
             out = os.path.join(tmp, quantization)
-            subprocess.run([sys.executable, "-m", "fairseq_qknorm_cli.export_ct2", "--model_path", args.checkpoint,
-                            "--data_dir", args.data, "--output_dir", out, "--quantization", quantization],
-                           check=True, capture_output=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "fairseq_qknorm_cli.export_ct2",
+                    "--model_path",
+                    args.checkpoint,
+                    "--data_dir",
+                    args.data,
+                    "--output_dir",
+                    out,
+                    "--quantization",
+                    quantization,
+                ],
+                check=True,
+                capture_output=True,
+            )
         for batched in (False, True):
             runners = {"fairseq fp32": fairseq_runner(hub, prompts, args.new_tokens, batched)}
             for quantization in ("float32", "int8"):
-                runners[f"CTranslate2 {quantization}"] = ct2_runner(os.path.join(tmp, quantization), quantization,
-                                                                    args.threads, words, args.new_tokens, batched)
+                runners[f"CTranslate2 {quantization}"] = ct2_runner(
+                    os.path.join(tmp, quantization), quantization, args.threads, words, args.new_tokens, batched
+                )
             for name, run in runners.items():
                 wall, cpu = best_of(args.repeats, run)
                 tokens = len(prompts) * args.new_tokens
-                results.append({"engine": name, "batch": len(prompts) if batched else 1,
-                                "tokens_per_s_wall": tokens / wall, "tokens_per_s_cpu": tokens / cpu})
+                results.append(
+                    {
+                        "engine": name,
+                        "batch": len(prompts) if batched else 1,
+                        "tokens_per_s_wall": tokens / wall,
+                        "tokens_per_s_cpu": tokens / cpu,
+                    }
+                )
     params = sum(p.numel() for p in hub.models[0].parameters())
-    print(f"{hub.cfg.model.arch}, {params / 1e6:.1f}M parameters, {len(prompts)} prompts x {args.new_tokens} "
-          f"new tokens, greedy, {args.threads} thread(s), best of {args.repeats}")
+    print(
+        f"{hub.cfg.model.arch}, {params / 1e6:.1f}M parameters, {len(prompts)} prompts x {args.new_tokens} "
+        f"new tokens, greedy, {args.threads} thread(s), best of {args.repeats}"
+    )
     print("| engine | batch | tokens/s (wall) | tokens/s (CPU time) | vs fairseq (CPU time) |")
     print("|---|---:|---:|---:|---:|")
     for r in results:
         base = next(b for b in results if b["batch"] == r["batch"] and b["engine"] == "fairseq fp32")
-        print(f"| {r['engine']} | {r['batch']} | {r['tokens_per_s_wall']:.0f} | {r['tokens_per_s_cpu']:.0f} | "
-              f"{r['tokens_per_s_cpu'] / base['tokens_per_s_cpu']:.2f}x |")
+        print(
+            f"| {r['engine']} | {r['batch']} | {r['tokens_per_s_wall']:.0f} | {r['tokens_per_s_cpu']:.0f} | "
+            f"{r['tokens_per_s_cpu'] / base['tokens_per_s_cpu']:.2f}x |"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"arch": hub.cfg.model.arch, "parameters": params, "args": vars(args), "results": results}, f,
-                      indent=1)
+            json.dump(
+                {"arch": hub.cfg.model.arch, "parameters": params, "args": vars(args), "results": results}, f, indent=1
+            )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Batches with a real-looking length distribution: sentence-pair lengths (whitespace tokens) drawn
 from a parallel corpus with a fixed seed, filled with random token ids. The ids do not change the
 speed; the lengths, hence the padding and the batch shapes, do."""
+
 import numpy as np
 import torch
 from fairseq.data import LanguagePairDataset

@@ -1,4 +1,5 @@
 """Sentence-pair lengths of a parallel corpus (numpy only: read before fairseq is imported)."""
+
 import numpy as np
 
 

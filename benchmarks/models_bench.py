@@ -1,4 +1,5 @@
 """Whole-model workloads, one arm per process: training steps and beam-search generation."""
+
 import argparse
 
 import torch
@@ -48,9 +49,13 @@ class TrainBench:
         data = random_pairs(lengths, job["train_sentences"], task.source_dictionary, job["seed"], job["max_len"])
         self.batches = [_to(b, self.device) for b in training_batches(data, job["max_tokens"], job["seed"])]
         self.ntokens = sum(b["ntokens"] for b in self.batches)
-        self.info = {"units": len(self.batches), "batches": len(self.batches), "target_tokens": self.ntokens,
-                     "sentences": sum(b["nsentences"] for b in self.batches),
-                     "parameters": sum(p.numel() for p in self.model.parameters())}
+        self.info = {
+            "units": len(self.batches),
+            "batches": len(self.batches),
+            "target_tokens": self.ntokens,
+            "sentences": sum(b["nsentences"] for b in self.batches),
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+        }
         # Warm-up: the largest batch (the allocator's high-water mark) and one more.
         largest = max(self.batches, key=lambda b: b["net_input"]["src_tokens"].numel() + b["target"].numel())
         for b in (largest, self.batches[0]):
@@ -79,7 +84,9 @@ class GenerateBench:
         self.device = job["device"]
         model, task = build_model(job["arm"], SIZES[job["size"]], job["seed"])
         beam = job["beam"]
-        model.prepare_for_inference_(argparse.Namespace(generation=argparse.Namespace(beam=beam, print_alignment=False)))
+        model.prepare_for_inference_(
+            argparse.Namespace(generation=argparse.Namespace(beam=beam, print_alignment=False))
+        )
         self.model = model.to(device=self.device, dtype=DTYPES[job["dtype"]])
         lengths = read_pair_lengths(*job["lengths_from"])
         data = random_pairs(lengths, job["gen_sentences"], task.source_dictionary, job["seed"] + 1, job["max_len"])
@@ -87,13 +94,20 @@ class GenerateBench:
         # L: the median reference length of the batch, capped like the training lengths.
         self.length = int(torch.median(torch.as_tensor(data.tgt_sizes - 1)).item())
         dictionary = task.target_dictionary
-        self.generator = SequenceGenerator([self.model], dictionary, beam_size=beam, max_len_a=0,
-                                           max_len_b=self.length, min_len=self.length)
+        self.generator = SequenceGenerator(
+            [self.model], dictionary, beam_size=beam, max_len_a=0, max_len_b=self.length, min_len=self.length
+        )
         if job["arm"] == "stock_beamable":
             self.model.decoder.set_beam_size(beam)
         beamable = any(getattr(m, "beam_size", 1) > 1 for m in self.model.modules())
-        self.info = {"units": 1, "sentences": len(data), "beam": beam, "length": self.length, "beamable": beamable,
-                     "parameters": sum(p.numel() for p in self.model.parameters())}
+        self.info = {
+            "units": 1,
+            "sentences": len(data),
+            "beam": beam,
+            "length": self.length,
+            "beamable": beamable,
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+        }
         # Warm-up: every code path of a generation, for two steps only.
         warm = SequenceGenerator([self.model], dictionary, beam_size=beam, max_len_a=0, max_len_b=2, min_len=2)
         warm.generate([self.model], self.sample)
@@ -103,5 +117,9 @@ class GenerateBench:
 
     def measure(self, unit):
         seconds, cpu = timed_cpu(self.generate, self.device)
-        return {"seconds": seconds, "cpu_seconds": cpu, "sentences": len(self.hypos),
-                "output_tokens": sum(len(h[0]["tokens"]) for h in self.hypos)}
+        return {
+            "seconds": seconds,
+            "cpu_seconds": cpu,
+            "sentences": len(self.hypos),
+            "output_tokens": sum(len(h[0]["tokens"]) for h in self.hypos),
+        }

@@ -1,6 +1,7 @@
 """QK-norm written the way the paper's code does it, to show what the fused path buys: heads folded
 into the batch, bmm, scores * g, masked_fill with -1e9, softmax, dropout, bmm. Its incremental
 cache keeps one copy of the encoder keys per hypothesis (no beamable cross attention)."""
+
 import torch
 import torch.nn.functional as F
 
@@ -10,8 +11,18 @@ from fairseq_qknorm.qknorm_attention import QKNormAttention
 class PlainQKNormAttention(QKNormAttention):
     """Same parameters as QKNormAttention(qk_norm="l2", qk_scale="learned"); forward only."""
 
-    def forward(self, query, key, value, key_padding_mask=None, incremental_state=None,
-                need_weights=False, static_kv=False, attn_mask=None, **unused):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        key_padding_mask=None,
+        incremental_state=None,
+        need_weights=False,
+        static_kv=False,
+        attn_mask=None,
+        **unused,
+    ):
         tgt_len, bsz, embed_dim = query.shape
         heads = self.num_heads
 

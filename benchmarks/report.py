@@ -1,4 +1,5 @@
 """Statistics, targets and the Markdown tables, from a results JSON alone (no torch needed)."""
+
 import statistics
 
 BASELINE = "stock"  # fairseq's transformer
@@ -52,8 +53,7 @@ def model_table(groups, benchmark, metric, cpu_metric, unit, extra=None):
     if extra:
         head += f" {extra[1]} median |"
         rule += "---:|"
-    head += (f" ratio to {BASELINE} (median of pairs, min–max) | same, by CPU time |"
-             " peak memory MB | memory ratio |")
+    head += f" ratio to {BASELINE} (median of pairs, min–max) | same, by CPU time | peak memory MB | memory ratio |"
     rule += "---:|---:|---:|---:|"
     if benchmark == "train":
         head += " activations MiB (ratio) |"
@@ -81,13 +81,18 @@ def attention_table(groups):
     for g in (g for g in groups if g["benchmark"] == "attention"):
         arms = list(next(iter(g["cases"].values())))
         if not rows:
-            rows = ["| model | case | " + " | ".join(f"{a} ms" for a in arms)
-                    + f" | {FUSED} / {BASELINE} | {PLAIN} / {FUSED} |",
-                    "|---|---|" + "---:|" * (len(arms) + 2)]
+            rows = [
+                "| model | case | "
+                + " | ".join(f"{a} ms" for a in arms)
+                + f" | {FUSED} / {BASELINE} | {PLAIN} / {FUSED} |",
+                "|---|---|" + "---:|" * (len(arms) + 2),
+            ]
         for case, times in g["cases"].items():
             cells = " | ".join(f"{statistics.median(times[a]):.3f}" for a in arms)
-            rows.append(f"| {_label(g)} | {case} | {cells} | {_ratio(pair_ratios(times[FUSED], times[BASELINE]))}"
-                        f" | {_ratio(pair_ratios(times[PLAIN], times[FUSED]))} |")
+            rows.append(
+                f"| {_label(g)} | {case} | {cells} | {_ratio(pair_ratios(times[FUSED], times[BASELINE]))}"
+                f" | {_ratio(pair_ratios(times[PLAIN], times[FUSED]))} |"
+            )
     return "\n".join(rows)
 
 
@@ -108,7 +113,9 @@ def targets(groups):
 
     def check(g, arm, key, value):
         goal = CHECKS[key][1]
-        out.append((_label(g), arm, key, value, value >= TARGET_SPEED if goal.startswith(">") else value <= TARGET_MEMORY))
+        out.append(
+            (_label(g), arm, key, value, value >= TARGET_SPEED if goal.startswith(">") else value <= TARGET_MEMORY)
+        )
 
     for g in groups:
         if g["benchmark"] in ("train", "generate"):
@@ -120,12 +127,22 @@ def targets(groups):
                 speed = statistics.median(pair_ratios(arm["metrics"][metric], base["metrics"][metric]))
                 if g["benchmark"] == "train":
                     check(g, name, ("train", "wps"), speed)
-                    check(g, name, ("train", "activations"), arm["info"]["activations_mb"] / base["info"]["activations_mb"])
+                    check(
+                        g,
+                        name,
+                        ("train", "activations"),
+                        arm["info"]["activations_mb"] / base["info"]["activations_mb"],
+                    )
                 else:
                     check(g, name, ("generate", "speed"), speed)
                     if LIKE_FOR_LIKE in g["arms"]:
                         same = g["arms"][LIKE_FOR_LIKE]["metrics"][metric]
-                        check(g, name, ("generate", "like for like"), statistics.median(pair_ratios(arm["metrics"][metric], same)))
+                        check(
+                            g,
+                            name,
+                            ("generate", "like for like"),
+                            statistics.median(pair_ratios(arm["metrics"][metric], same)),
+                        )
                 check(g, name, (g["benchmark"], "memory"), arm[memory_key] / base[memory_key])
         if g["benchmark"] == "attention":
             for case, times in g["cases"].items():
@@ -143,26 +160,42 @@ def targets_tables(checks):
             cells.setdefault((model, arm), {})[key] = f"{value:.3f}" if ok else f"**{value:.3f} MISS**"
     lines = []
     if cells:
-        lines += ["| model | arm | " + " | ".join(f"{CHECKS[k][0]} {CHECKS[k][1]}" for k in keys) + " |",
-                  "|---|---|" + "---:|" * len(keys)]
-        lines += [f"| {model} | {arm} | " + " | ".join(row.get(k, "") for k in keys) + " |"
-                  for (model, arm), row in cells.items()]
+        lines += [
+            "| model | arm | " + " | ".join(f"{CHECKS[k][0]} {CHECKS[k][1]}" for k in keys) + " |",
+            "|---|---|" + "---:|" * len(keys),
+        ]
+        lines += [
+            f"| {model} | {arm} | " + " | ".join(row.get(k, "") for k in keys) + " |"
+            for (model, arm), row in cells.items()
+        ]
     attention = [c for c in checks if c[2] not in CHECKS]
     if attention:
         lines += ["", "| model | case | fused attention: qknorm_plain / qknorm time >= 1.0 |", "|---|---|---:|"]
-        lines += [f"| {model} | {case} | {value:.3f}{'' if ok else ' MISS'} |" for model, case, _, value, ok in attention]
+        lines += [
+            f"| {model} | {case} | {value:.3f}{'' if ok else ' MISS'} |" for model, case, _, value, ok in attention
+        ]
     missed = sum(not c[4] for c in checks)
-    lines += ["", f"{len(checks) - missed} of {len(checks)} targets met" + (f"; {missed} missed (in bold)." if missed else ".")]
+    lines += [
+        "",
+        f"{len(checks) - missed} of {len(checks)} targets met" + (f"; {missed} missed (in bold)." if missed else "."),
+    ]
     return "\n".join(lines)
 
 
 def _beamable_note(groups):
-    arms = {name for g in groups if g["benchmark"] == "generate" for name, a in g["arms"].items()
-            if a["info"].get("beamable")}
+    arms = {
+        name
+        for g in groups
+        if g["benchmark"] == "generate"
+        for name, a in g["arms"].items()
+        if a["info"].get("beamable")
+    }
     if not arms:
         return "No arm used beamable cross attention."
-    return (f"Beamable cross attention (one copy of the encoder's keys and values per sentence): "
-            f"{', '.join(sorted(arms))}; fairseq's SequenceGenerator does not switch it on for `stock`.")
+    return (
+        f"Beamable cross attention (one copy of the encoder's keys and values per sentence): "
+        f"{', '.join(sorted(arms))}; fairseq's SequenceGenerator does not switch it on for `stock`."
+    )
 
 
 def render(result):
@@ -179,25 +212,47 @@ def render(result):
         lines[1:1] = [f"Machine: {meta['note']}"]
     if any(g["benchmark"] == "train" for g in groups):
         info = next(g for g in groups if g["benchmark"] == "train")["arms"][BASELINE]["info"]
-        lines += [f"**Training**: target tokens per second (fairseq's wps) over {info['batches']} fixed batches "
-                  f"({info['sentences']} sentence pairs, --max-tokens {s['max_tokens']}); forward, label-smoothed "
-                  "cross entropy, backward, Adam step.", "",
-                  model_table(groups, "train", "wps", "wps_cpu", "wps"), ""]
+        lines += [
+            f"**Training**: target tokens per second (fairseq's wps) over {info['batches']} fixed batches "
+            f"({info['sentences']} sentence pairs, --max-tokens {s['max_tokens']}); forward, label-smoothed "
+            "cross entropy, backward, Adam step.",
+            "",
+            model_table(groups, "train", "wps", "wps_cpu", "wps"),
+            "",
+        ]
     if any(g["benchmark"] == "generate" for g in groups):
         info = next(g for g in groups if g["benchmark"] == "generate")["arms"][BASELINE]["info"]
-        lines += [f"**Generation**: SequenceGenerator, beam {info['beam']}, {info['sentences']} source sentences, "
-                  f"incremental decoding, every hypothesis forced to {info['length']} tokens + </s>. "
-                  + _beamable_note(groups), "",
-                  model_table(groups, "generate", "sentences_per_s", "sentences_per_cpu_s", "sentences/s",
-                              extra=("tokens_per_s", "tokens/s")), ""]
+        lines += [
+            f"**Generation**: SequenceGenerator, beam {info['beam']}, {info['sentences']} source sentences, "
+            f"incremental decoding, every hypothesis forced to {info['length']} tokens + </s>. "
+            + _beamable_note(groups),
+            "",
+            model_table(
+                groups,
+                "generate",
+                "sentences_per_s",
+                "sentences_per_cpu_s",
+                "sentences/s",
+                extra=("tokens_per_s", "tokens/s"),
+            ),
+            "",
+        ]
     if any(g["benchmark"] == "attention" for g in groups):
-        lines += [f"**Attention layer alone** (median ms per call; ratios: median of per-round ratios). "
-                  f"fwd+bwd: {s['attention_tokens']} tokens per batch, padded; step: one decoding step of "
-                  f"{s['gen_sentences']} x beam {s['beam']} hypotheses against a cache of "
-                  f"{s['attention_cache']} (cross: the encoder states, beamable).", "",
-                  attention_table(groups), ""]
+        lines += [
+            f"**Attention layer alone** (median ms per call; ratios: median of per-round ratios). "
+            f"fwd+bwd: {s['attention_tokens']} tokens per batch, padded; step: one decoding step of "
+            f"{s['gen_sentences']} x beam {s['beam']} hypotheses against a cache of "
+            f"{s['attention_cache']} (cross: the encoder states, beamable).",
+            "",
+            attention_table(groups),
+            "",
+        ]
     checks = targets(groups)
     if checks:
-        lines += [f"**Targets**: every QK-norm arm / the stock run of its own batch (generation also / "
-                  f"{LIKE_FOR_LIKE}); speed: median of per-round ratios.", "", targets_tables(checks)]
+        lines += [
+            f"**Targets**: every QK-norm arm / the stock run of its own batch (generation also / "
+            f"{LIKE_FOR_LIKE}); speed: median of per-round ratios.",
+            "",
+            targets_tables(checks),
+        ]
     return "\n".join(lines) + "\n"

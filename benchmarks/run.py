@@ -8,6 +8,7 @@ layer alone and peak memory, each model arm in its own process, arms interleaved
 
 Writes benchmarks/results/<device>-<date>.json and the tables into BENCHMARKS.md (between markers).
 """
+
 import argparse
 import datetime
 import json
@@ -34,39 +35,82 @@ BASELINES = {"train": ("stock",), "generate": ("stock", "stock_beamable")}
 BENCHMARKS = ("train", "generate", "attention")
 LENGTHS_ENV = "BENCH_LENGTHS_FROM"
 
-FULL = dict(sizes=("glen", "small"), repeats=5, train_sentences=64, max_tokens=1024, gen_sentences=64,
-            beam=5, max_len=256, attention_lengths=(16, 64, 256), attention_tokens=2048,
-            attention_cache=64, attention_seconds=0.25)
-QUICK = dict(sizes=("tiny",), repeats=1, train_sentences=12, max_tokens=64, gen_sentences=4,
-             beam=5, max_len=8, attention_lengths=(4, 8), attention_tokens=16,
-             attention_cache=4, attention_seconds=0.0)
+FULL = dict(
+    sizes=("glen", "small"),
+    repeats=5,
+    train_sentences=64,
+    max_tokens=1024,
+    gen_sentences=64,
+    beam=5,
+    max_len=256,
+    attention_lengths=(16, 64, 256),
+    attention_tokens=2048,
+    attention_cache=64,
+    attention_seconds=0.25,
+)
+QUICK = dict(
+    sizes=("tiny",),
+    repeats=1,
+    train_sentences=12,
+    max_tokens=64,
+    gen_sentences=4,
+    beam=5,
+    max_len=8,
+    attention_lengths=(4, 8),
+    attention_tokens=16,
+    attention_cache=4,
+    attention_seconds=0.0,
+)
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.run",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--quick", action="store_true", help="tiny model, one round (what the test runs)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--dtype", nargs="+", choices=("fp32", "fp16", "bf16"),
-                   help="precisions to run, one after the other (default: fp32 on cpu, fp16 bf16 on cuda)")
+    p.add_argument(
+        "--dtype",
+        nargs="+",
+        choices=("fp32", "fp16", "bf16"),
+        help="precisions to run, one after the other (default: fp32 on cpu, fp16 bf16 on cuda)",
+    )
     p.add_argument("--sizes", nargs="+", choices=("glen", "small"), help="model sizes (default: both)")
     p.add_argument("--benchmarks", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
-    p.add_argument("--arms", nargs="+", choices=MODEL_ARMS, default=list(MODEL_ARMS),
-                   help="model arms for train and generate (stock is always run: the ratios need it)")
+    p.add_argument(
+        "--arms",
+        nargs="+",
+        choices=MODEL_ARMS,
+        default=list(MODEL_ARMS),
+        help="model arms for train and generate (stock is always run: the ratios need it)",
+    )
     p.add_argument("--repeats", type=int, help="interleaved rounds (default 5; 1 with --quick)")
     p.add_argument("--threads", type=int, default=2, help="torch threads in every worker (default 2)")
-    p.add_argument("--workers", type=int, default=6,
-                   help="model arms alive at once (default 6): the arms run in batches of this many, the "
-                        "baselines (stock; stock_beamable in generation) in every batch. Each glen training "
-                        "worker holds about 2 GB")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=6,
+        help="model arms alive at once (default 6): the arms run in batches of this many, the "
+        "baselines (stock; stock_beamable in generation) in every batch. Each glen training "
+        "worker holds about 2 GB",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--note", default="", help="what else ran on the machine, written into the results")
-    p.add_argument("--lengths-from", default=os.environ.get(LENGTHS_ENV), metavar="SRC,TGT",
-                   help=f"parallel text whose sentence lengths the batches copy, e.g. the TED gl-en training "
-                        f"text (default: ${LENGTHS_ENV})")
+    p.add_argument(
+        "--lengths-from",
+        default=os.environ.get(LENGTHS_ENV),
+        metavar="SRC,TGT",
+        help=f"parallel text whose sentence lengths the batches copy, e.g. the TED gl-en training "
+        f"text (default: ${LENGTHS_ENV})",
+    )
     p.add_argument("--results-dir", default=str(ROOT / "benchmarks" / "results"))
-    p.add_argument("--markdown", metavar="FILE",
-                   help="file whose results section is rewritten (default: BENCHMARKS.md, none with --quick)")
+    p.add_argument(
+        "--markdown",
+        metavar="FILE",
+        help="file whose results section is rewritten (default: BENCHMARKS.md, none with --quick)",
+    )
     p.add_argument("--render", metavar="JSON", help="only print (and write to --markdown) the tables of a results file")
     args = p.parse_args(argv)
     if args.repeats is not None and args.repeats < 1:
@@ -78,8 +122,10 @@ def parse_args(argv):
     if args.workers < len(BASELINES["generate"]) + 1:
         p.error(f"--workers: expected at least {len(BASELINES['generate']) + 1} (the baselines and one arm)")
     if not args.render and not args.lengths_from:
-        p.error(f"--lengths-from SRC,TGT (or ${LENGTHS_ENV}) is needed: the parallel text whose sentence "
-                "lengths the batches copy")
+        p.error(
+            f"--lengths-from SRC,TGT (or ${LENGTHS_ENV}) is needed: the parallel text whose sentence "
+            "lengths the batches copy"
+        )
     if not args.render and len(args.lengths_from.split(",")) != 2:
         p.error(f"--lengths-from: expected SRC,TGT (two files), got {args.lengths_from!r}")
     if "stock" not in args.arms:
@@ -145,7 +191,7 @@ def arm_batches(benchmark, arms, workers):
     base = [a for a in BASELINES[benchmark] if a in arms or a == "stock"]
     rest = [a for a in arms if a not in base and (benchmark == "generate" or a not in GENERATE_ONLY)]
     size = workers - len(base)
-    return [base + rest[i:i + size] for i in range(0, len(rest), size)] or [base]
+    return [base + rest[i : i + size] for i in range(0, len(rest), size)] or [base]
 
 
 def run_group(ctx, benchmark, size, dtype, names, job_base, repeats):
@@ -165,14 +211,16 @@ def run_group(ctx, benchmark, size, dtype, names, job_base, repeats):
             parts = {name: [] for name in names}
             # A B C, then B C A, ...: batch by batch, each arm in every position of the order, so
             # that an effect of running right after a given arm cannot favour one arm.
-            order = names[r % len(names):] + names[: r % len(names)]
+            order = names[r % len(names) :] + names[: r % len(names)]
             for unit in range(n_units):
                 for name in order:
                     parts[name].append(workers[name].measure(unit))
             for name in names:
                 rounds[name].append(parts[name] if benchmark == "attention" else round_metrics(benchmark, parts[name]))
-            log(f"{label}: round {r + 1}/{repeats} " + " ".join(
-                f"{n}={_headline(benchmark, m[-1])}" for n, m in rounds.items()))
+            log(
+                f"{label}: round {r + 1}/{repeats} "
+                + " ".join(f"{n}={_headline(benchmark, m[-1])}" for n, m in rounds.items())
+            )
         stats = {name: w.close() for name, w in workers.items()}
     finally:
         for w in workers.values():
@@ -182,12 +230,14 @@ def run_group(ctx, benchmark, size, dtype, names, job_base, repeats):
     if benchmark == "attention":
         measured = [parts[0] for parts in rounds["all"]]
         group["info"] = workers["all"].info
-        group["cases"] = {case: {arm: [m[case][arm] for m in measured] for arm in measured[0][case]}
-                          for case in measured[0]}
+        group["cases"] = {
+            case: {arm: [m[case][arm] for m in measured] for arm in measured[0][case]} for case in measured[0]
+        }
         return group
     group["arms"] = {
-        name: dict(stats[name], info=workers[name].info,
-                   metrics={k: [m[k] for m in rounds[name]] for k in rounds[name][0]})
+        name: dict(
+            stats[name], info=workers[name].info, metrics={k: [m[k] for m in rounds[name]] for k in rounds[name][0]}
+        )
         for name in names
     }
     if benchmark == "generate":  # the forced lengths make every arm do the same work: check it
@@ -201,12 +251,16 @@ def round_metrics(benchmark, parts):
     """One arm's speeds over one round, from the sums over its units."""
     total = {k: sum(p[k] for p in parts) for k in parts[0]}
     if benchmark == "train":
-        return {"wps": total["target_tokens"] / total["seconds"],
-                "wps_cpu": total["target_tokens"] / total["cpu_seconds"]}
-    return {"sentences_per_s": total["sentences"] / total["seconds"],
-            "tokens_per_s": total["output_tokens"] / total["seconds"],
-            "sentences_per_cpu_s": total["sentences"] / total["cpu_seconds"],
-            "output_tokens": total["output_tokens"]}
+        return {
+            "wps": total["target_tokens"] / total["seconds"],
+            "wps_cpu": total["target_tokens"] / total["cpu_seconds"],
+        }
+    return {
+        "sentences_per_s": total["sentences"] / total["seconds"],
+        "tokens_per_s": total["output_tokens"] / total["seconds"],
+        "sentences_per_cpu_s": total["sentences"] / total["cpu_seconds"],
+        "output_tokens": total["output_tokens"],
+    }
 
 
 def _headline(benchmark, m):
@@ -234,7 +288,7 @@ def update_markdown(path: Path, device: str, table: str):
     text = path.read_text() if path.exists() else ""
     section = f"{begin}\n{table}{end}"
     if begin in text and end in text:
-        text = text[: text.index(begin)] + section + text[text.index(end) + len(end):]
+        text = text[: text.index(begin)] + section + text[text.index(end) + len(end) :]
     else:
         text = text.rstrip("\n") + ("\n\n" if text else "") + section + "\n"
     write_text(path, text)
@@ -276,15 +330,26 @@ def main(argv=None):
     date = datetime.datetime.now()
     out = Path(args.results_dir) / f"{args.device}{'-quick' if args.quick else ''}-{date:%Y-%m-%d-%H%M}.json"
     meta = {
-        "date": date.isoformat(timespec="seconds"), "device": args.device,
+        "date": date.isoformat(timespec="seconds"),
+        "device": args.device,
         "device_name": f"{cpu_name()}, {os.cpu_count()} cores" if args.device == "cpu" else "cuda",
-        "torch": torch.__version__, "fairseq": fairseq.__version__, "python": platform.python_version(),
-        "threads": args.threads, "commit": git_commit(), "load_start": os.getloadavg(), "note": args.note,
+        "torch": torch.__version__,
+        "fairseq": fairseq.__version__,
+        "python": platform.python_version(),
+        "threads": args.threads,
+        "commit": git_commit(),
+        "load_start": os.getloadavg(),
+        "note": args.note,
         "command": "python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:]),
         "results_file": os.path.relpath(out, ROOT),
     }
-    job_base = dict(device=args.device, threads=args.threads, seed=args.seed, lengths_from=(src, tgt),
-                    **{k: v for k, v in s.items() if k not in ("sizes", "dtypes", "repeats")})
+    job_base = dict(
+        device=args.device,
+        threads=args.threads,
+        seed=args.seed,
+        lengths_from=(src, tgt),
+        **{k: v for k, v in s.items() if k not in ("sizes", "dtypes", "repeats")},
+    )
     ctx = multiprocessing.get_context("spawn" if args.device == "cuda" else "fork")
     groups = []
     try:

@@ -3,6 +3,7 @@
 For fairseq's MultiheadAttention and every QK-norm variant: one training forward of self attention
 (512 wide, 4 heads, 64 sentences x 40 tokens, 4 of them padding), and the tensors autograd keeps for
 backward, one line per distinct storage, named by the op that made it. An exact count: timing-free."""
+
 import torch
 from fairseq.modules import MultiheadAttention
 
@@ -37,8 +38,12 @@ def main():
     mask = torch.zeros(B, T, dtype=torch.bool)
     mask[:, -4:] = True
     arms = {"stock": MultiheadAttention(E, H, self_attention=True)}
-    arms.update({name: QKNormAttention(E, H, qk_scale_init=QK_SCALE_INIT, self_attention=True, **flags)
-                 for name, flags in QK_VARIANTS.items()})
+    arms.update(
+        {
+            name: QKNormAttention(E, H, qk_scale_init=QK_SCALE_INIT, self_attention=True, **flags)
+            for name, flags in QK_VARIANTS.items()
+        }
+    )
     for name, module in arms.items():
         seen = kept(module.train(), x, mask)
         big = "; ".join(f"{op} {shape} {mib:.1f}" for mib, shape, op, _ in seen.values() if mib >= 0.5)

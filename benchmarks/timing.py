@@ -1,4 +1,5 @@
 """Timing that waits for the device, and the process's memory high-water mark."""
+
 import resource
 import time
 

@@ -1,6 +1,7 @@
 """The QK-norm variants the benchmark compares, by arm name. Plain Python: the runner checks its
 flags before it imports torch and fairseq (tests/test_benchmark.py checks these against the plugin's
 own lists of norms and scales)."""
+
 import itertools
 
 NORMS = ("l2", "layernorm", "rmsnorm")  # --qk-norm, without "none" (no QK-norm)
@@ -14,8 +15,11 @@ def qk_variants():
     for norm, scale, per_head in itertools.product(NORMS, SCALES, (False, True)):
         if scale == "none" and per_head:
             continue  # no g to have per head
-        name = "qknorm" if (norm, scale, per_head) == ("l2", "learned", False) else \
-            f"qknorm_{norm}_{scale}{'_perhead' if per_head else ''}"
+        name = (
+            "qknorm"
+            if (norm, scale, per_head) == ("l2", "learned", False)
+            else f"qknorm_{norm}_{scale}{'_perhead' if per_head else ''}"
+        )
         out[name] = {"qk_norm": norm, "qk_scale": scale, "qk_scale_per_head": per_head}
     return out
 

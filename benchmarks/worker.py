@@ -1,6 +1,7 @@
 """One benchmark arm in its own process (forked from the runner, so fairseq is imported once): it
 builds and warms up its workload, then measures whenever the runner asks, so that the runner can
 interleave the arms; at the end it reports its peak memory."""
+
 import traceback
 
 import torch
@@ -11,8 +12,10 @@ from .timing import peak_rss_mb
 def _workload(job):
     if job["benchmark"] == "attention":
         from .attention_bench import AttentionBench
+
         return AttentionBench(job)
     from .models_bench import GenerateBench, TrainBench
+
     return {"train": TrainBench, "generate": GenerateBench}[job["benchmark"]](job)
 
 

@@ -20,6 +20,7 @@ What each kind of bad input gets, and why:
 Outputs are written to temporary names and renamed only once every split has passed: an error
 leaves nothing in OUT_DIR.
 """
+
 import argparse
 import itertools
 import os
@@ -44,11 +45,15 @@ def utf8_lines(binary_lines, name):
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise TextError(f"{name}:{number}: not valid UTF-8 ({e.reason}, byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line);"
-                            " convert the file to UTF-8 (e.g. iconv -f LATIN1 -t UTF-8)") from None
+            raise TextError(
+                f"{name}:{number}: not valid UTF-8 ({e.reason}, byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line);"
+                " convert the file to UTF-8 (e.g. iconv -f LATIN1 -t UTF-8)"
+            ) from None
         if "\r" in text:
-            raise TextError(f"{name}:{number}: a carriage return (\\r) inside the line: text tools would split the line there;"
-                            " replace it (e.g. tr '\\r' ' ')")
+            raise TextError(
+                f"{name}:{number}: a carriage return (\\r) inside the line: text tools would split the line there;"
+                " replace it (e.g. tr '\\r' ' ')"
+            )
         yield text
 
 
@@ -65,17 +70,23 @@ def copy_split(src_path, tgt_path, out_src, out_tgt, drop_blank):
     with open(out_src, "w", encoding="utf-8") as fs, open(out_tgt, "w", encoding="utf-8") as ft:
         for s, t in itertools.zip_longest(src_lines, tgt_lines):
             if s is None or t is None:
-                short, long_path, long_lines, n = (src_path, tgt_path, tgt_lines, t[0]) if s is None else (tgt_path, src_path, src_lines, s[0])
+                short, long_path, long_lines, n = (
+                    (src_path, tgt_path, tgt_lines, t[0]) if s is None else (tgt_path, src_path, src_lines, s[0])
+                )
                 total = n + sum(1 for _ in long_lines)
-                raise TextError(f"{short} has {n - 1} lines, {long_path} has {total}: the two sides must have one sentence per line, aligned")
+                raise TextError(
+                    f"{short} has {n - 1} lines, {long_path} has {total}: the two sides must have one sentence per line, aligned"
+                )
             number = s[0]
             blank = [path for path, (_, text) in ((src_path, s), (tgt_path, t)) if not text.strip()]
             if blank:
                 if drop_blank:
                     dropped.append(number)
                     continue
-                raise TextError(f"{blank[0]}:{number}: empty or whitespace-only line in a dev/test set; such pairs are dropped from"
-                                " train only (the references must stay those of the released set): remove or fix the pair on both sides")
+                raise TextError(
+                    f"{blank[0]}:{number}: empty or whitespace-only line in a dev/test set; such pairs are dropped from"
+                    " train only (the references must stay those of the released set): remove or fix the pair on both sides"
+                )
             fs.write(s[1] + "\n")
             ft.write(t[1] + "\n")
             kept += 1
@@ -95,16 +106,21 @@ def check_corpus(in_dir, src, tgt, out_dir):
     with atomic_paths([os.path.join(out_dir, os.path.basename(inputs[key])) for key in keys]) as tmps:
         tmp = dict(zip(keys, tmps))
         for split in SPLITS:
-            counts[split] = copy_split(inputs[split, src], inputs[split, tgt], tmp[split, src], tmp[split, tgt],
-                                       drop_blank=split == "train")
+            counts[split] = copy_split(
+                inputs[split, src], inputs[split, tgt], tmp[split, src], tmp[split, tgt], drop_blank=split == "train"
+            )
             if counts[split][0] == 0:
                 raise TextError(f"{inputs[split, src]}: no sentence pairs")
     return counts
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m experiments.check_text", description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.check_text",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     parser.add_argument("in_dir", help="directory holding {train,dev,test}.{SRC,TGT}")
     parser.add_argument("--src", required=True, help="source language code (the file extension)")
     parser.add_argument("--tgt", required=True, help="target language code")

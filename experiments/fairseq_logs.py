@@ -1,5 +1,6 @@
 """What fairseq-train's log says (--log-format simple): the one parser of its lines that the
 recipes, reports and figures share."""
+
 import re
 
 
@@ -19,8 +20,16 @@ def parse_train_log(path):
     """What fairseq-train's simple-format log says: parameters, updates, dev BLEU per validation
     (dev_bleu: [updates, BLEU]; dev: [updates, loss, BLEU]), why training stopped, and the plugin's
     L and g0 when `--qk-scale-init auto` resolved them."""
-    out = {"params": None, "updates": None, "dev_bleu": [], "dev": [], "best_dev_bleu": None, "stopped_by": None,
-           "L": None, "g0": None}
+    out = {
+        "params": None,
+        "updates": None,
+        "dev_bleu": [],
+        "dev": [],
+        "best_dev_bleu": None,
+        "stopped_by": None,
+        "L": None,
+        "g0": None,
+    }
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             m = re.search(r"num\. (?:shared )?model params: ([\d,]+)", line)

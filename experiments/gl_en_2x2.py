@@ -13,6 +13,7 @@ BLEU on the Moses-tokenized release) and chrF, the dev curve from fairseq-train'
 of every attention module, the training time and command, and the sha1 of every data file, so runs
 on other data are never mixed into one table.
 """
+
 import argparse
 import fcntl
 import hashlib
@@ -21,9 +22,8 @@ import os
 import shutil
 from contextlib import contextmanager
 
-from fairseq_qknorm_cli.files import atomic_path, fail, write_text
-
 from experiments.fairseq_logs import parse_train_log
+from fairseq_qknorm_cli.files import atomic_path, fail, write_text
 
 CELLS = (("scalenorm", "dot"), ("scalenorm", "qknorm"), ("layernorm", "dot"), ("layernorm", "qknorm"))
 SRC, TGT = "gl", "en"
@@ -63,8 +63,11 @@ def sha1(path):
 
 
 def data_sha1(data_dir):
-    return {f"{split}.{lang}": sha1(os.path.join(data_dir, f"{split}.{lang}"))
-            for split in ("train", "dev", "test") for lang in (SRC, TGT)}
+    return {
+        f"{split}.{lang}": sha1(os.path.join(data_dir, f"{split}.{lang}"))
+        for split in ("train", "dev", "test")
+        for lang in (SRC, TGT)
+    }
 
 
 def pending(records, seeds):
@@ -80,12 +83,16 @@ def learned_g(checkpoint):
 
     state = torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
     suffix = ".qk_scale.g"
-    return {k[: -len(suffix)]: [round(float(x), 4) for x in v.flatten()] if v.numel() > 1 else round(float(v), 4)
-            for k, v in state.items() if k.endswith(suffix)}
+    return {
+        k[: -len(suffix)]: [round(float(x), 4) for x in v.flatten()] if v.numel() > 1 else round(float(v), 4)
+        for k, v in state.items()
+        if k.endswith(suffix)
+    }
 
 
 def train_command(commands_path, arm_dir):
-    from experiments.results import read_commands, train_command as find
+    from experiments.results import read_commands
+    from experiments.results import train_command as find
 
     return find(read_commands(commands_path), arm_dir)
 
@@ -105,7 +112,9 @@ def record(args):
     with open(os.path.join(args.arm_dir, "train_seconds")) as f:
         seconds = int(f.read())
     entry = {
-        "norm": args.norm, "attention": args.attention, "seed": args.seed,
+        "norm": args.norm,
+        "attention": args.attention,
+        "seed": args.seed,
         "updates": log["updates"],
         "test_bleu": round(scores["none"]["bleu"], 2),
         "test_bleu_13a": round(scores["13a"]["bleu"], 2),
@@ -114,7 +123,8 @@ def record(args):
         "hyp": hyp_name(args.norm, args.attention, args.seed),
         "dev": log["dev"],
         "g": learned_g(os.path.join(args.arm_dir, "checkpoints", "checkpoint_best.pt")),
-        "L": log["L"], "g0": log["g0"],
+        "L": log["L"],
+        "g0": log["g0"],
         "params": log["params"],
         "train_seconds": seconds,
         "threads": int(os.environ.get("OMP_NUM_THREADS", "0")) or None,
@@ -126,19 +136,26 @@ def record(args):
         runs = read_runs(args.records)
         for other in runs:
             if other["data_sha1"] != entry["data_sha1"]:
-                fail(f"{args.data}: not the data of the runs recorded in {args.records}/runs.json "
-                     f"(sha1 of the files differ); use another RECORDS folder")
+                fail(
+                    f"{args.data}: not the data of the runs recorded in {args.records}/runs.json "
+                    f"(sha1 of the files differ); use another RECORDS folder"
+                )
         with atomic_path(os.path.join(args.records, entry["hyp"])) as tmp:
             shutil.copyfile(hyp, tmp)
         runs = [r for r in runs if (r["norm"], r["attention"], r["seed"]) != (args.norm, args.attention, args.seed)]
         write_runs(args.records, runs + [entry])
-    print(f"{args.norm} + {args.attention}, seed {args.seed}: test BLEU {entry['test_bleu']:.2f}, "
-          f"chrF {entry['test_chrf']:.2f}, best dev BLEU {entry['best_dev_bleu']:.2f}, {entry['updates']} updates")
+    print(
+        f"{args.norm} + {args.attention}, seed {args.seed}: test BLEU {entry['test_bleu']:.2f}, "
+        f"chrF {entry['test_chrf']:.2f}, best dev BLEU {entry['best_dev_bleu']:.2f}, {entry['updates']} updates"
+    )
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m experiments.gl_en_2x2", description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.gl_en_2x2",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("pending")
     p.add_argument("records")

@@ -13,6 +13,7 @@ Effects, in BLEU points, from the cells' scores (S = ScaleNorm, L = LayerNorm, d
   LayerNorm = ((Ld - Sd) + (Lq - Sq)) / 2
   interaction = (Lq - Ld) - (Sq - Sd)   (how much more QKNorm helps under LayerNorm)
 """
+
 import os
 import statistics
 
@@ -21,12 +22,18 @@ import numpy as np
 from experiments.gl_en_2x2 import CELLS, TGT, read_runs, sha1
 from fairseq_qknorm_cli.files import fail, write_text
 
-NAMES = {("scalenorm", "dot"): "ScaleNorm + scaled dot (the paper's baseline)",
-         ("scalenorm", "qknorm"): "ScaleNorm + QKNorm",
-         ("layernorm", "dot"): "LayerNorm + scaled dot",
-         ("layernorm", "qknorm"): "LayerNorm + QKNorm (the paper's system)"}
-SHORT = {("scalenorm", "dot"): "ScaleNorm + dot", ("scalenorm", "qknorm"): "ScaleNorm + QKNorm",
-         ("layernorm", "dot"): "LayerNorm + dot", ("layernorm", "qknorm"): "LayerNorm + QKNorm"}
+NAMES = {
+    ("scalenorm", "dot"): "ScaleNorm + scaled dot (the paper's baseline)",
+    ("scalenorm", "qknorm"): "ScaleNorm + QKNorm",
+    ("layernorm", "dot"): "LayerNorm + scaled dot",
+    ("layernorm", "qknorm"): "LayerNorm + QKNorm (the paper's system)",
+}
+SHORT = {
+    ("scalenorm", "dot"): "ScaleNorm + dot",
+    ("scalenorm", "qknorm"): "ScaleNorm + QKNorm",
+    ("layernorm", "dot"): "LayerNorm + dot",
+    ("layernorm", "qknorm"): "LayerNorm + QKNorm",
+}
 EFFECTS = ("QKNorm", "LayerNorm", "interaction")
 RESAMPLES = 1000
 BOOTSTRAP_SEED = 12345
@@ -38,8 +45,11 @@ def effects(score):
     """score[(norm, attention)] -> the three effects."""
     sd, sq = score["scalenorm", "dot"], score["scalenorm", "qknorm"]
     ld, lq = score["layernorm", "dot"], score["layernorm", "qknorm"]
-    return {"QKNorm": ((sq - sd) + (lq - ld)) / 2, "LayerNorm": ((ld - sd) + (lq - sq)) / 2,
-            "interaction": (lq - ld) - (sq - sd)}
+    return {
+        "QKNorm": ((sq - sd) + (lq - ld)) / 2,
+        "LayerNorm": ((ld - sd) + (lq - sq)) / 2,
+        "interaction": (lq - ld) - (sq - sd),
+    }
 
 
 def complete_seeds(runs):
@@ -88,6 +98,7 @@ def _lines(path):
 def pooled_bootstrap(stats, metric):
     """{effect: (point, low, high)}: the effect on the pooled test sets, and its paired-bootstrap
     95% interval over resampled test sentences."""
+
     def score(cell, rows=None):
         s = stats[cell] if rows is None else stats[cell][:, rows]
         return float(metric._compute_score_from_stats(s.sum(axis=(0, 1)).tolist()).score)
@@ -107,11 +118,15 @@ def dev_figure(records, runs):
     from fairseq_qknorm_cli import plots
 
     plots.require_matplotlib()
-    curves = [(f"{SHORT[r['norm'], r['attention']]}, seed {r['seed']}", r["seed"] > 1, r["dev"])
-              for r in sorted(runs, key=lambda r: (CELLS.index((r["norm"], r["attention"])), r["seed"]))]
-    return plots.dev_curves(os.path.join(records, "dev-curves.png"),
-                            "TED gl-en, the 2x2: dev loss and dev BLEU at each validation (seed 1 solid, later seeds dashed)",
-                            curves)
+    curves = [
+        (f"{SHORT[r['norm'], r['attention']]}, seed {r['seed']}", r["seed"] > 1, r["dev"])
+        for r in sorted(runs, key=lambda r: (CELLS.index((r["norm"], r["attention"])), r["seed"]))
+    ]
+    return plots.dev_curves(
+        os.path.join(records, "dev-curves.png"),
+        "TED gl-en, the 2x2: dev loss and dev BLEU at each validation (seed 1 solid, later seeds dashed)",
+        curves,
+    )
 
 
 def _ci(mean, half):
@@ -123,8 +138,10 @@ def _excludes_zero(low, high):
 
 
 def cell_table(runs):
-    lines = ["| cell | seeds | test BLEU, mean (sd) | chrF, mean (sd) | best dev BLEU, mean | per seed (BLEU) | updates | train time, mean |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| cell | seeds | test BLEU, mean (sd) | chrF, mean (sd) | best dev BLEU, mean | per seed (BLEU) | updates | train time, mean |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for cell in CELLS:
         rs = sorted((r for r in runs if (r["norm"], r["attention"]) == cell), key=lambda r: r["seed"])
         if not rs:
@@ -132,15 +149,17 @@ def cell_table(runs):
             continue
 
         def mean_sd(key):
-            values = [r[key] for r in rs]
+            values = [r[key] for r in rs]  # noqa: B023 (called in this iteration)
             sd = f" ({statistics.stdev(values):.2f})" if len(values) > 1 else ""
             return f"{statistics.mean(values):.2f}{sd}"
 
         per_seed = ", ".join(f"{r['seed']}: {r['test_bleu']:.2f}" for r in rs)
         minutes = statistics.mean(r["train_seconds"] for r in rs) / 60
-        lines.append(f"| {NAMES[cell]} | {len(rs)} | {mean_sd('test_bleu')} | {mean_sd('test_chrf')} "
-                     f"| {statistics.mean(r['best_dev_bleu'] for r in rs):.2f} | {per_seed} "
-                     f"| {', '.join(sorted({str(r['updates']) for r in rs}))} | {minutes:.0f} min |")
+        lines.append(
+            f"| {NAMES[cell]} | {len(rs)} | {mean_sd('test_bleu')} | {mean_sd('test_chrf')} "
+            f"| {statistics.mean(r['best_dev_bleu'] for r in rs):.2f} | {per_seed} "
+            f"| {', '.join(sorted({str(r['updates']) for r in rs}))} | {minutes:.0f} min |"
+        )
     return lines
 
 
@@ -151,8 +170,13 @@ def g_table(runs):
             continue
         groups = {"encoder self": [], "decoder self": [], "decoder cross": []}
         for name, g in sorted(r["g"].items(), key=lambda kv: int(kv[0].split(".")[2])):
-            kind = ("encoder self" if name.startswith("encoder") else
-                    "decoder cross" if name.endswith("encoder_attn") else "decoder self")
+            kind = (
+                "encoder self"
+                if name.startswith("encoder")
+                else "decoder cross"
+                if name.endswith("encoder_attn")
+                else "decoder self"
+            )
             groups[kind].append(g if isinstance(g, float) else statistics.mean(g))
         cols = " | ".join(", ".join(f"{g:.2f}" for g in groups[k]) for k in groups)
         lines.append(f"| {SHORT[r['norm'], r['attention']]}, seed {r['seed']} | {r['g0']:.2f} ({r['L']}) | {cols} |")
@@ -162,23 +186,34 @@ def g_table(runs):
 def reading(seeds_ci, boot, n_seeds):
     """What the intervals support, in words, effect by effect."""
     lines = []
-    for name, what in (("QKNorm", "QKNorm instead of scaled dot product, averaged over the two norms"),
-                       ("LayerNorm", "LayerNorm instead of ScaleNorm, averaged over the two attentions"),
-                       ("interaction", "how much more QKNorm gains under LayerNorm than under ScaleNorm")):
+    for name, what in (
+        ("QKNorm", "QKNorm instead of scaled dot product, averaged over the two norms"),
+        ("LayerNorm", "LayerNorm instead of ScaleNorm, averaged over the two attentions"),
+        ("interaction", "how much more QKNorm gains under LayerNorm than under ScaleNorm"),
+    ):
         mean, half, _ = seeds_ci[name] if seeds_ci else (None, None, None)
         point, low, high = boot[name]
         by_boot = "excludes 0" if _excludes_zero(low, high) else "includes 0"
         if half is not None:
             by_seeds = "excludes 0" if _excludes_zero(mean - half, mean + half) else "includes 0"
-            verdict = ("supported by both intervals" if by_boot == by_seeds == "excludes 0" else
-                       "not distinguishable from no effect" if by_boot == by_seeds == "includes 0" else
-                       "beyond the test-set noise but not beyond the seed noise" if by_boot == "excludes 0" else
-                       "consistent across seeds but within the test-set noise")
-            lines.append(f"- **{name}** ({what}): {point:+.2f} BLEU on the pooled test sets; the interval over "
-                         f"seeds {by_seeds}, the bootstrap interval {by_boot}: {verdict}.")
+            verdict = (
+                "supported by both intervals"
+                if by_boot == by_seeds == "excludes 0"
+                else "not distinguishable from no effect"
+                if by_boot == by_seeds == "includes 0"
+                else "beyond the test-set noise but not beyond the seed noise"
+                if by_boot == "excludes 0"
+                else "consistent across seeds but within the test-set noise"
+            )
+            lines.append(
+                f"- **{name}** ({what}): {point:+.2f} BLEU on the pooled test sets; the interval over "
+                f"seeds {by_seeds}, the bootstrap interval {by_boot}: {verdict}."
+            )
         else:
-            lines.append(f"- **{name}** ({what}): {point:+.2f} BLEU; the bootstrap interval {by_boot} "
-                         f"(one complete seed: no interval over seeds yet, so training randomness is not measured).")
+            lines.append(
+                f"- **{name}** ({what}): {point:+.2f} BLEU; the bootstrap interval {by_boot} "
+                f"(one complete seed: no interval over seeds yet, so training randomness is not measured)."
+            )
     return lines
 
 
@@ -195,26 +230,39 @@ def write_report(records, data_dir):
     if sha1(ref_path) != runs[0]["data_sha1"][f"test.{TGT}"]:
         fail(f"--data {data_dir}: test.{TGT} is not the reference the runs were scored against (sha1 differs)")
     ref = _lines(ref_path)
-    md = ["# The 2x2 on TED gl-en: does QK-norm itself help?", "",
-          "The paper's QKNorm system differs from its baseline in two things: ScaleNorm becomes LayerNorm, and",
-          "scaled dot-product attention becomes QKNorm. This experiment trains all four combinations with",
-          "everything else equal (PreNorm, FixNorm, shared embeddings, word dropout 0.1, data, sentencepiece",
-          "model, budget, seeds) and separates the two.", "",
-          f"Recorded: {len(runs)} of {len(CELLS) * 3} runs; seeds with all four cells: "
-          f"{', '.join(map(str, seeds)) or 'none yet'}.", "",
-          "## The cells", "", *cell_table(runs), "",
-          "Test BLEU: sacrebleu, `--tokenize none` on the Moses-tokenized release (the paper's tokenized BLEU);",
-          "chrF: sacrebleu's default. Each run's detokenized hypotheses are in this folder (runs.json names them).", ""]
+    md = [
+        "# The 2x2 on TED gl-en: does QK-norm itself help?",
+        "",
+        "The paper's QKNorm system differs from its baseline in two things: ScaleNorm becomes LayerNorm, and",
+        "scaled dot-product attention becomes QKNorm. This experiment trains all four combinations with",
+        "everything else equal (PreNorm, FixNorm, shared embeddings, word dropout 0.1, data, sentencepiece",
+        "model, budget, seeds) and separates the two.",
+        "",
+        f"Recorded: {len(runs)} of {len(CELLS) * 3} runs; seeds with all four cells: "
+        f"{', '.join(map(str, seeds)) or 'none yet'}.",
+        "",
+        "## The cells",
+        "",
+        *cell_table(runs),
+        "",
+        "Test BLEU: sacrebleu, `--tokenize none` on the Moses-tokenized release (the paper's tokenized BLEU);",
+        "chrF: sacrebleu's default. Each run's detokenized hypotheses are in this folder (runs.json names them).",
+        "",
+    ]
     if seeds:
         ci = {m: over_seeds(runs, seeds, key) for m, key in (("bleu", "test_bleu"), ("chrf", "test_chrf"))}
         boot = {}
         for metric in ("bleu", "chrf"):
             stats, scorer = sentence_statistics(records, ref, runs, seeds, metric)
             boot[metric] = pooled_bootstrap(stats, scorer)
-        md += ["## Effects", "",
-               f"Over the {len(seeds)} complete seed(s). Each cell: effect [95% interval].", "",
-               "| effect | BLEU, over seeds | BLEU, pooled, paired bootstrap | chrF, over seeds | chrF, pooled, paired bootstrap |",
-               "|---|---|---|---|---|"]
+        md += [
+            "## Effects",
+            "",
+            f"Over the {len(seeds)} complete seed(s). Each cell: effect [95% interval].",
+            "",
+            "| effect | BLEU, over seeds | BLEU, pooled, paired bootstrap | chrF, over seeds | chrF, pooled, paired bootstrap |",
+            "|---|---|---|---|---|",
+        ]
         for name in EFFECTS:
             cols = []
             for metric in ("bleu", "chrf"):
@@ -222,34 +270,56 @@ def write_report(records, data_dir):
                 point, low, high = boot[metric][name]
                 cols += [_ci(mean, half), f"{point:+.2f} [{low:+.2f}, {high:+.2f}]"]
             md.append(f"| {name} | {' | '.join(cols)} |")
-        md += ["", "QKNorm = mean of (QKNorm - dot) under each norm; LayerNorm = mean of (LayerNorm - ScaleNorm) "
-               "under each attention; interaction = (LayerNorm: QKNorm - dot) - (ScaleNorm: QKNorm - dot).",
-               f"Over seeds: mean +- t * sd / sqrt(n). Paired bootstrap: {RESAMPLES} resamples of the "
-               f"{next(iter(stats.values())).shape[1]:,} test sentences, every seed's translation of each drawn "
-               "sentence kept (experiments/gl_en_2x2_report.py).", "",
-               "## What the numbers support", "", *reading(ci["bleu"] if len(seeds) > 1 else None, boot["bleu"], len(seeds)), ""]
-    md += ["## Dev curves", "", "![dev curves](dev-curves.png)", "",
-           "## The learned g", "",
-           "g of every attention module at the best checkpoint (layers in order), against g0 = log2(L^2 - L):", "",
-           *g_table(runs), ""]
-    md += ["## Beside the paper and the toy corpus", "",
-           "- The paper (gl-en, full size: 4+4 layers, width 512, dropout 0.4, trained to convergence on a GPU):",
-           "  baseline 22.01 -> QKNorm 24.21 BLEU (+2.20), the two changes together; it did not separate them.",
-           "- The toy corpus 2x2 (examples/ted/RESULTS-toy-ablations.md, 3 seeds): QKNorm +4.4 BLEU under",
-           "  ScaleNorm, +5.4 under LayerNorm; LayerNorm +0.4 with scaled dot, +1.5 with QKNorm.",
-           "- This run is the `cpu` preset (width 128, 4+4 layers, 4 heads, dropout 0.1, 1,400 updates of",
-           "  4,096 tokens, about 12 epochs): small models, far from converged. Its absolute BLEU is not",
-           "  the paper's; what it measures is the direction and size of each change at this budget.", "",
-           "## How it ran", "",
-           "```sh",
-           "DATA_DIR=path/to/ted-gl-en bash examples/ted/gl-en-2x2/run.sh   # trains what has no record yet",
-           "python -m experiments.gl_en_2x2 report examples/ted/gl-en-2x2 --data path/to/ted-gl-en   # this page again",
-           "```", "",
-           "Data: TED gl-en as ../shared/data/ted-gl-en holds it (the CMU 11-731 extraction of Qi et al.'s",
-           "corpus: 11,233 / 742 / 1,112 sentence pairs; runs.json records the sha1 of every file). Each",
-           "entry of runs.json holds its fairseq-train command, dev curve, learned g and training time;",
-           "two runs trained side by side with one thread each, on a 2-core machine that other jobs also",
-           "used at times: the training times say how long a run took there, not what a run costs.", ""]
+        md += [
+            "",
+            "QKNorm = mean of (QKNorm - dot) under each norm; LayerNorm = mean of (LayerNorm - ScaleNorm) "
+            "under each attention; interaction = (LayerNorm: QKNorm - dot) - (ScaleNorm: QKNorm - dot).",
+            f"Over seeds: mean +- t * sd / sqrt(n). Paired bootstrap: {RESAMPLES} resamples of the "
+            f"{next(iter(stats.values())).shape[1]:,} test sentences, every seed's translation of each drawn "
+            "sentence kept (experiments/gl_en_2x2_report.py).",
+            "",
+            "## What the numbers support",
+            "",
+            *reading(ci["bleu"] if len(seeds) > 1 else None, boot["bleu"], len(seeds)),
+            "",
+        ]
+    md += [
+        "## Dev curves",
+        "",
+        "![dev curves](dev-curves.png)",
+        "",
+        "## The learned g",
+        "",
+        "g of every attention module at the best checkpoint (layers in order), against g0 = log2(L^2 - L):",
+        "",
+        *g_table(runs),
+        "",
+    ]
+    md += [
+        "## Beside the paper and the toy corpus",
+        "",
+        "- The paper (gl-en, full size: 4+4 layers, width 512, dropout 0.4, trained to convergence on a GPU):",
+        "  baseline 22.01 -> QKNorm 24.21 BLEU (+2.20), the two changes together; it did not separate them.",
+        "- The toy corpus 2x2 (examples/ted/RESULTS-toy-ablations.md, 3 seeds): QKNorm +4.4 BLEU under",
+        "  ScaleNorm, +5.4 under LayerNorm; LayerNorm +0.4 with scaled dot, +1.5 with QKNorm.",
+        "- This run is the `cpu` preset (width 128, 4+4 layers, 4 heads, dropout 0.1, 1,400 updates of",
+        "  4,096 tokens, about 12 epochs): small models, far from converged. Its absolute BLEU is not",
+        "  the paper's; what it measures is the direction and size of each change at this budget.",
+        "",
+        "## How it ran",
+        "",
+        "```sh",
+        "DATA_DIR=path/to/ted-gl-en bash examples/ted/gl-en-2x2/run.sh   # trains what has no record yet",
+        "python -m experiments.gl_en_2x2 report examples/ted/gl-en-2x2 --data path/to/ted-gl-en   # this page again",
+        "```",
+        "",
+        "Data: TED gl-en as ../shared/data/ted-gl-en holds it (the CMU 11-731 extraction of Qi et al.'s",
+        "corpus: 11,233 / 742 / 1,112 sentence pairs; runs.json records the sha1 of every file). Each",
+        "entry of runs.json holds its fairseq-train command, dev curve, learned g and training time;",
+        "two runs trained side by side with one thread each, on a 2-core machine that other jobs also",
+        "used at times: the training times say how long a run took there, not what a run costs.",
+        "",
+    ]
     if runs:
         dev_figure(records, runs)
     write_text(os.path.join(records, "README.md"), "\n".join(md))

@@ -18,6 +18,7 @@ seconds from `begin validation` to the `valid` line plus the checkpoint's `writi
 probe's wall time (DIR/train_seconds) holds beyond those is start-up and shut-down, the same for
 every run whatever its length.
 """
+
 import argparse
 import json
 import os
@@ -78,9 +79,16 @@ def read_probe(run_dir):
         seconds = int(f.read())
     validation = statistics.mean(validations) + (statistics.mean(writes) if writes else 0.0)
     fixed = max(0.0, seconds - updates / rate - len(validations) * validation)
-    return {"dir": os.path.basename(os.path.normpath(run_dir)), "updates": updates, "seconds": seconds,
-            "ups": ups, "rate": round(rate, 3), "updates_per_epoch": per_epoch,
-            "validation_seconds": round(validation, 2), "fixed_seconds": round(fixed, 1)}
+    return {
+        "dir": os.path.basename(os.path.normpath(run_dir)),
+        "updates": updates,
+        "seconds": seconds,
+        "ups": ups,
+        "rate": round(rate, 3),
+        "updates_per_epoch": per_epoch,
+        "validation_seconds": round(validation, 2),
+        "fixed_seconds": round(fixed, 1),
+    }
 
 
 def plan(updates_per_epoch, rate, validation, fixed, available, dev_points, max_epochs=None, safety=0.9):
@@ -111,25 +119,37 @@ def size(args):
     available = args.deadline - now
     chosen = plan(per_epoch, rate, validation, fixed, available, args.dev_points, args.max_epochs, args.safety)
     if chosen is None:
-        fail(f"{available:.0f} s left before the deadline: not enough for one epoch "
-             f"({per_epoch} updates at {rate:.2f}/s, {fixed:.0f} s start-up, {validation:.0f} s per validation)")
+        fail(
+            f"{available:.0f} s left before the deadline: not enough for one epoch "
+            f"({per_epoch} updates at {rate:.2f}/s, {fixed:.0f} s start-up, {validation:.0f} s per validation)"
+        )
     epochs, every = chosen
     updates = epochs * per_epoch
     warmup = max(1, round(args.warmup_share * updates))
     stop_hours = round(available / 3600, 4)
     budget = {
-        "runs_side_by_side": len(probes), "probe": probes,
-        "rate_updates_per_second": rate, "updates_per_epoch": per_epoch,
-        "validation_seconds": validation, "fixed_seconds": fixed, "available_seconds": round(available),
-        "epochs": epochs, "updates": updates, "validate_every_epochs": every, "dev_points": epochs // every,
-        "warmup_updates": warmup, "stop_time_hours": stop_hours,
+        "runs_side_by_side": len(probes),
+        "probe": probes,
+        "rate_updates_per_second": rate,
+        "updates_per_epoch": per_epoch,
+        "validation_seconds": validation,
+        "fixed_seconds": fixed,
+        "available_seconds": round(available),
+        "epochs": epochs,
+        "updates": updates,
+        "validate_every_epochs": every,
+        "dev_points": epochs // every,
+        "warmup_updates": warmup,
+        "stop_time_hours": stop_hours,
         "estimated_seconds": round(fixed + updates / rate + epochs // every * validation),
     }
     write_text(args.out, json.dumps(budget, indent=1) + "\n")
-    print(f"| budget: {epochs} epochs ({updates} updates) per run, validated every {every} epoch(s), warm-up "
-          f"{warmup}; measured {rate:.2f} updates/s per run with {len(probes)} side by side, {validation:.0f} s per "
-          f"validation, {fixed:.0f} s start-up: about {budget['estimated_seconds']} of {available:.0f} s left",
-          file=sys.stderr)
+    print(
+        f"| budget: {epochs} epochs ({updates} updates) per run, validated every {every} epoch(s), warm-up "
+        f"{warmup}; measured {rate:.2f} updates/s per run with {len(probes)} side by side, {validation:.0f} s per "
+        f"validation, {fixed:.0f} s start-up: about {budget['estimated_seconds']} of {available:.0f} s left",
+        file=sys.stderr,
+    )
     print(updates, every, warmup, stop_hours)
 
 
@@ -179,30 +199,42 @@ def summary(args):
         cell = [r for r in runs if (r["norm"], r["attention"]) == (norm, attention)]
         bleu = [r["test_bleu"] for r in cell]
         means[norm, attention] = statistics.mean(bleu) if bleu else None
-        lines.append(f"| {norm} | {attention} | {len(cell)} | {_mean_sd(bleu)} | "
-                     f"{_mean_sd([r['test_chrf'] for r in cell])} | {_mean_sd([r['best_dev_bleu'] for r in cell])} | "
-                     f"{', '.join(str(u) for u in sorted({r['updates'] for r in cell})) or '-'} |")
+        lines.append(
+            f"| {norm} | {attention} | {len(cell)} | {_mean_sd(bleu)} | "
+            f"{_mean_sd([r['test_chrf'] for r in cell])} | {_mean_sd([r['best_dev_bleu'] for r in cell])} | "
+            f"{', '.join(str(u) for u in sorted({r['updates'] for r in cell})) or '-'} |"
+        )
     lines.append("")
     if None not in means.values():
         for norm in ("scalenorm", "layernorm"):
-            lines.append(f"- QKNorm minus scaled dot product under {norm}: "
-                         f"{means[norm, 'qknorm'] - means[norm, 'dot']:+.2f} test BLEU (difference of means)")
+            lines.append(
+                f"- QKNorm minus scaled dot product under {norm}: "
+                f"{means[norm, 'qknorm'] - means[norm, 'dot']:+.2f} test BLEU (difference of means)"
+            )
         for attention in ("dot", "qknorm"):
-            lines.append(f"- LayerNorm minus ScaleNorm with {attention}: "
-                         f"{means['layernorm', attention] - means['scalenorm', attention]:+.2f} test BLEU")
+            lines.append(
+                f"- LayerNorm minus ScaleNorm with {attention}: "
+                f"{means['layernorm', attention] - means['scalenorm', attention]:+.2f} test BLEU"
+            )
     statuses = [run_status(r, args.logs) for r in runs]
     reasons = sorted({why for why, _ in statuses})
     rising = sum(1 for _, r in statuses if r)
-    lines += ["", f"Stopped by: {'; '.join(reasons)}. Dev BLEU was at its best at the last validation in "
-                  f"{rising} of {len(runs)} runs" + (" (still rising: not converged)." if rising else ".")]
+    lines += [
+        "",
+        f"Stopped by: {'; '.join(reasons)}. Dev BLEU was at its best at the last validation in "
+        f"{rising} of {len(runs)} runs" + (" (still rising: not converged)." if rising else "."),
+    ]
     text = "\n".join(lines) + "\n"
     write_text(os.path.join(args.records, "summary.md"), text)
     print(text, end="")
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m experiments.gpu_budget", description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.gpu_budget",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("seeds")
     s.add_argument("--cores", type=int, default=os.cpu_count())

@@ -15,6 +15,7 @@ here the attention statistics are taken on a fixed batch of validation blocks. R
 learning-rate sensitivity of Wortsman et al.: the mean, over the swept rates, of
 min(final loss, loss at initialization) minus the best final loss of the arm.
 """
+
 import argparse
 import math
 import os
@@ -37,16 +38,38 @@ from fairseq_qknorm_cli.logs import setup_logging
 # transformer_lm_qknorm are pre-norm): --decoder-normalize-before makes the stock arm pre-norm too.
 # The arm names are the translation sweep's, so that its tables and figures apply unchanged.
 MODEL = [
-    "--decoder-normalize-before", "--decoder-layers", "2",
-    "--decoder-embed-dim", "64", "--decoder-input-dim", "64", "--decoder-output-dim", "64",
-    "--decoder-ffn-embed-dim", "256", "--decoder-attention-heads", "4", "--share-decoder-input-output-embed",
-    "--dropout", "0.0", "--attention-dropout", "0.0",
+    "--decoder-normalize-before",
+    "--decoder-layers",
+    "2",
+    "--decoder-embed-dim",
+    "64",
+    "--decoder-input-dim",
+    "64",
+    "--decoder-output-dim",
+    "64",
+    "--decoder-ffn-embed-dim",
+    "256",
+    "--decoder-attention-heads",
+    "4",
+    "--share-decoder-input-output-embed",
+    "--dropout",
+    "0.0",
+    "--attention-dropout",
+    "0.0",
 ]
 ARMS = {
     "stock": ["--arch", "transformer_lm"],
     # g0 = log2(L^2 - L), L = --tokens-per-sample (every block is that long)
-    "qknorm": ["--arch", "transformer_lm_qknorm", "--qk-norm", "l2", "--qk-scale", "learned",
-               "--qk-scale-init", "auto"],
+    "qknorm": [
+        "--arch",
+        "transformer_lm_qknorm",
+        "--qk-norm",
+        "l2",
+        "--qk-scale",
+        "learned",
+        "--qk-scale-init",
+        "auto",
+    ],
     "qk_layernorm": ["--arch", "transformer_lm_qknorm", "--qk-norm", "layernorm", "--qk-scale", "none"],
 }
 assert list(ARMS) == list(lr_sweep.ARMS)  # the shared tables order rows by the translation sweep's arms
@@ -72,13 +95,30 @@ def prepare_data(work_dir: Path, train, valid, vocab_size) -> Path:
         if proc.returncode != 0:
             fail(f"{cmd[0]} failed:\n{proc.stderr[-2000:]}")
 
-    step(tools / "fairseq-qknorm-spm-train", "--input", ",".join(map(str, train)), "--model_prefix", tmp / "spm",
-         "--vocab_size", vocab_size)
+    step(
+        tools / "fairseq-qknorm-spm-train",
+        "--input",
+        ",".join(map(str, train)),
+        "--model_prefix",
+        tmp / "spm",
+        "--vocab_size",
+        vocab_size,
+    )
     for split, files in (("train", train), ("valid", [valid])):
         with open(tmp / f"{split}.sp", "w") as out:
             step(tools / "fairseq-qknorm-spm-encode", "--model", tmp / "spm.model", *files, stdout=out)
-    step(tools / "fairseq-preprocess", "--only-source", "--trainpref", tmp / "train.sp", "--validpref",
-         tmp / "valid.sp", "--destdir", tmp, "--workers", "1")
+    step(
+        tools / "fairseq-preprocess",
+        "--only-source",
+        "--trainpref",
+        tmp / "train.sp",
+        "--validpref",
+        tmp / "valid.sp",
+        "--destdir",
+        tmp,
+        "--workers",
+        "1",
+    )
     os.replace(tmp, bin_dir)
     return bin_dir
 
@@ -88,13 +128,53 @@ def fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir):
     from fairseq_qknorm import USER_DIR
 
     return [
-        str(bin_dir), "--user-dir", USER_DIR, "--task", "language_modeling", "--sample-break-mode", "none",
-        "--tokens-per-sample", str(TOKENS_PER_SAMPLE), *ARMS[arm], *MODEL,
-        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--adam-eps", "1e-8", "--weight-decay", "0.0",
-        "--lr", repr(lr), "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(warmup), "--warmup-init-lr", "0",
-        "--clip-norm", "0", "--criterion", "cross_entropy", "--max-tokens", str(MAX_TOKENS),
-        "--required-batch-size-multiple", "1", "--max-update", str(updates), "--seed", str(seed), "--cpu",
-        "--num-workers", "0", "--save-dir", str(save_dir), "--no-save", "--data-buffer-size", "0",
+        str(bin_dir),
+        "--user-dir",
+        USER_DIR,
+        "--task",
+        "language_modeling",
+        "--sample-break-mode",
+        "none",
+        "--tokens-per-sample",
+        str(TOKENS_PER_SAMPLE),
+        *ARMS[arm],
+        *MODEL,
+        "--optimizer",
+        "adam",
+        "--adam-betas",
+        "(0.9, 0.98)",
+        "--adam-eps",
+        "1e-8",
+        "--weight-decay",
+        "0.0",
+        "--lr",
+        repr(lr),
+        "--lr-scheduler",
+        "inverse_sqrt",
+        "--warmup-updates",
+        str(warmup),
+        "--warmup-init-lr",
+        "0",
+        "--clip-norm",
+        "0",
+        "--criterion",
+        "cross_entropy",
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--required-batch-size-multiple",
+        "1",
+        "--max-update",
+        str(updates),
+        "--seed",
+        str(seed),
+        "--cpu",
+        "--num-workers",
+        "0",
+        "--save-dir",
+        str(save_dir),
+        "--no-save",
+        "--data-buffer-size",
+        "0",
     ]
 
 
@@ -116,12 +196,18 @@ def attention_snapshot(model, criterion, sample):
     model.eval()
     with torch.no_grad(), recording_attention(model, on_attention):
         loss, sample_size, _ = criterion(model, sample)
-    g = {f"{w[0]} {w[1]}": m.qk_scale.g.tolist() for name, m in model.named_modules()
-         if (w := attention_module(name)) and isinstance(m, QKNormAttention) and m.qk_scale is not None}
+    g = {
+        f"{w[0]} {w[1]}": m.qk_scale.g.tolist()
+        for name, m in model.named_modules()
+        if (w := attention_module(name)) and isinstance(m, QKNormAttention) and m.qk_scale is not None
+    }
     order = sorted(stats, key=sort_key)
-    return {"loss": float(loss) / sample_size / math.log(2),
-            "max_logit": {f"{w[0]} {w[1]}": stats[w].logit_max for w in order},
-            "min_entropy": {f"{w[0]} {w[1]}": stats[w].min_head_entropy() for w in order}, "g": g}
+    return {
+        "loss": float(loss) / sample_size / math.log(2),
+        "max_logit": {f"{w[0]} {w[1]}": stats[w].logit_max for w in order},
+        "min_entropy": {f"{w[0]} {w[1]}": stats[w].min_head_entropy() for w in order},
+        "g": g,
+    }
 
 
 def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
@@ -151,10 +237,18 @@ def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
         paths = ((save_dir, "SAVE_DIR"), (str(bin_dir), "WORK/bin"), (USER_DIR, "$(fairseq-qknorm-user-dir)"))
         for path, name in paths:
             command = command.replace(path, name)
-        record = {"arm": arm, "lr": lr, "seed": seed, "command": command,
-                  "params": sum(p.numel() for p in model.parameters()),
-                  "qk_scale_init": getattr(cfg.model, "qk_scale_init", None) if arm == "qknorm" else None,
-                  "loss": [], "gnorm": [], "stats": [], "diverged": None}
+        record = {
+            "arm": arm,
+            "lr": lr,
+            "seed": seed,
+            "command": command,
+            "params": sum(p.numel() for p in model.parameters()),
+            "qk_scale_init": getattr(cfg.model, "qk_scale_init", None) if arm == "qknorm" else None,
+            "loss": [],
+            "gnorm": [],
+            "stats": [],
+            "diverged": None,
+        }
 
         def snapshot():
             record["stats"].append({"update": len(record["loss"]), **attention_snapshot(model, criterion, fixed_batch)})
@@ -197,18 +291,27 @@ def sensitivity(runs):
         initial = max(r["stats"][0]["loss"] for r in runs if r["arm"] == arm)
         per_lr = {}
         for lr in sorted({r["lr"] for r in rows}):
-            finals = [r["final"] if r["final"] is not None and math.isfinite(r["final"]) else initial
-                      for r in rows if r["lr"] == lr]
+            finals = [
+                r["final"] if r["final"] is not None and math.isfinite(r["final"]) else initial
+                for r in rows
+                if r["lr"] == lr
+            ]
             per_lr[lr] = min(sum(finals) / len(finals), initial)
         best = min(per_lr.values())
-        out[arm] = {"sensitivity": sum(v - best for v in per_lr.values()) / len(per_lr), "best_final": best,
-                    "initial": initial, "lrs": len(per_lr)}
+        out[arm] = {
+            "sensitivity": sum(v - best for v in per_lr.values()) / len(per_lr),
+            "best_final": best,
+            "initial": initial,
+            "lrs": len(per_lr),
+        }
     return out
 
 
 def sensitivity_table(runs):
-    lines = ["| arm | LR sensitivity (bits/token) | best final loss | loss at initialization | rates |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [
+        "| arm | LR sensitivity (bits/token) | best final loss | loss at initialization | rates |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for arm, s in sensitivity(runs).items():
         lines.append(f"| {arm} | {s['sensitivity']:.3f} | {s['best_final']:.3f} | {s['initial']:.3f} | {s['lrs']} |")
     return "\n".join(lines)
@@ -219,12 +322,26 @@ def _text_files(value):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m experiments.lm_sweep", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--train", nargs="+", type=Path, default=_text_files(os.environ.get("LM_SWEEP_TRAIN")),
-                   metavar="TEXT", help="English training text, one sentence a line (default: $LM_SWEEP_TRAIN)")
-    p.add_argument("--valid", type=Path, default=os.environ.get("LM_SWEEP_VALID"), metavar="TEXT",
-                   help="validation text: the fixed batch of the attention statistics (default: $LM_SWEEP_VALID)")
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.lm_sweep",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--train",
+        nargs="+",
+        type=Path,
+        default=_text_files(os.environ.get("LM_SWEEP_TRAIN")),
+        metavar="TEXT",
+        help="English training text, one sentence a line (default: $LM_SWEEP_TRAIN)",
+    )
+    p.add_argument(
+        "--valid",
+        type=Path,
+        default=os.environ.get("LM_SWEEP_VALID"),
+        metavar="TEXT",
+        help="validation text: the fixed batch of the attention statistics (default: $LM_SWEEP_VALID)",
+    )
     p.add_argument("--vocab-size", type=lr_sweep._positive_int, default=4000, help="sentencepiece BPE vocabulary")
     p.add_argument("--lrs", nargs="+", type=lr_sweep._positive_float, default=DEFAULT_LRS, metavar="LR")
     p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), metavar="ARM")
@@ -248,10 +365,19 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    settings = {"updates": args.updates, "warmup_updates": args.warmup_updates, "stats_interval": args.stats_interval,
-                "model": MODEL, "arms": ARMS, "max_tokens": MAX_TOKENS, "tokens_per_sample": TOKENS_PER_SAMPLE,
-                "vocab_size": args.vocab_size, "text": [p.name for p in [*args.train, args.valid]],
-                "stats_blocks": STATS_BLOCKS, "window": lr_sweep.WINDOW}
+    settings = {
+        "updates": args.updates,
+        "warmup_updates": args.warmup_updates,
+        "stats_interval": args.stats_interval,
+        "model": MODEL,
+        "arms": ARMS,
+        "max_tokens": MAX_TOKENS,
+        "tokens_per_sample": TOKENS_PER_SAMPLE,
+        "vocab_size": args.vocab_size,
+        "text": [p.name for p in [*args.train, args.valid]],
+        "stats_blocks": STATS_BLOCKS,
+        "window": lr_sweep.WINDOW,
+    }
     results_path = args.out_dir / "results.json"
     runs = finished_runs(results_path, settings)
     args.work_dir.mkdir(parents=True, exist_ok=True)
@@ -280,16 +406,24 @@ def main(argv=None):
     argv_text = shlex.join(sys.argv[1:] if argv is None else argv).replace(str(args.work_dir), "WORK")
     for path in [*args.train, args.valid]:
         argv_text = argv_text.replace(str(path), path.name)
-    header = {"command": "python -m experiments.lm_sweep " + argv_text, "settings": settings,
-              "machine": {**machine(), "torch": torch.__version__, "fairseq": fairseq.__version__,
-                          "torch_threads": args.threads}}
+    header = {
+        "command": "python -m experiments.lm_sweep " + argv_text,
+        "settings": settings,
+        "machine": {
+            **machine(),
+            "torch": torch.__version__,
+            "fairseq": fairseq.__version__,
+            "torch_threads": args.threads,
+        },
+    }
     for seed in args.seeds:
         for arm in args.arms:
             for lr in args.lrs:
                 if any(r["arm"] == arm and r["lr"] == lr and r["seed"] == seed for r in runs):
                     continue
-                runs.append(train_run(bin_dir, arm, lr, seed, args.updates, args.warmup_updates, args.stats_interval,
-                                      log))
+                runs.append(
+                    train_run(bin_dir, arm, lr, seed, args.updates, args.warmup_updates, args.stats_interval, log)
+                )
                 write_json(results_path, {**header, "runs": runs})
     write_json(results_path, {**header, "runs": runs})
     lr_sweep.write_figures(runs, args.out_dir, args.updates)

@@ -17,6 +17,7 @@ WINDOW updates rises above the mean of the first WINDOW; it is stopped there. Wr
 OUT/results.json (kept up to date after every run: a rerun with the same settings skips the runs
 already there), OUT/final_loss_vs_lr.png and OUT/max_logit_vs_lr.png, and prints the table.
 """
+
 import argparse
 import json
 import math
@@ -29,20 +30,34 @@ import tempfile
 import time
 from pathlib import Path
 
+from experiments.machine import machine
 from fairseq_qknorm_cli.files import atomic_path, fail, write_text
 from fairseq_qknorm_cli.logs import setup_logging
-
-from experiments.machine import machine
 
 # Same dims for every arm: pre-norm, 2+2 layers, 64 wide, 4 heads (head dim 16), shared
 # embeddings, no dropout (nothing to hide a divergence). Only the attention differs.
 MODEL = [
-    "--encoder-layers", "2", "--decoder-layers", "2",
-    "--encoder-embed-dim", "64", "--decoder-embed-dim", "64",
-    "--encoder-ffn-embed-dim", "256", "--decoder-ffn-embed-dim", "256",
-    "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
-    "--encoder-normalize-before", "--decoder-normalize-before", "--share-all-embeddings",
-    "--dropout", "0.0",
+    "--encoder-layers",
+    "2",
+    "--decoder-layers",
+    "2",
+    "--encoder-embed-dim",
+    "64",
+    "--decoder-embed-dim",
+    "64",
+    "--encoder-ffn-embed-dim",
+    "256",
+    "--decoder-ffn-embed-dim",
+    "256",
+    "--encoder-attention-heads",
+    "4",
+    "--decoder-attention-heads",
+    "4",
+    "--encoder-normalize-before",
+    "--decoder-normalize-before",
+    "--share-all-embeddings",
+    "--dropout",
+    "0.0",
 ]
 ARMS = {
     "stock": ["--arch", "transformer"],
@@ -62,7 +77,7 @@ WINDOW = 10  # updates averaged for the start, final and best loss and the diver
 # ---------------------------------------------------------------------------------------------
 def window_means(losses, window=WINDOW):
     """Mean of every `window` consecutive losses (fewer at the start)."""
-    return [sum(losses[max(0, i + 1 - window):i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(losses))]
+    return [sum(losses[max(0, i + 1 - window) : i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(losses))]
 
 
 def divergence(losses, window=WINDOW):
@@ -92,7 +107,7 @@ def loss_summary(losses, window=WINDOW):
     return {
         "start": sum(finite[:window]) / len(finite[:window]) if finite else nan,
         "final": means[-1] if finite and len(finite) == len(losses) else nan,
-        "best": min(means[window - 1:] or means) if means else nan,
+        "best": min(means[window - 1 :] or means) if means else nan,
     }
 
 
@@ -112,9 +127,22 @@ def prepare_data(work_dir: Path) -> Path:
     raw, tmp = work_dir / "raw", work_dir / "bin.tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted run
     write_corpus(raw, train=CORPUS["train"], dev=CORPUS["dev"], test=0, seed=CORPUS["seed"])
-    cmd = [str(Path(sys.executable).parent / "fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
-           "--trainpref", str(raw / "train"), "--validpref", str(raw / "dev"), "--joined-dictionary",
-           "--destdir", str(tmp), "--workers", "1"]
+    cmd = [
+        str(Path(sys.executable).parent / "fairseq-preprocess"),
+        "--source-lang",
+        "src",
+        "--target-lang",
+        "tgt",
+        "--trainpref",
+        str(raw / "train"),
+        "--validpref",
+        str(raw / "dev"),
+        "--joined-dictionary",
+        "--destdir",
+        str(tmp),
+        "--workers",
+        "1",
+    ]
     print(f"| preparing data: {shlex.join(cmd)}", flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -128,16 +156,57 @@ def fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir):
     from fairseq_qknorm import USER_DIR
 
     return [
-        str(bin_dir), "--user-dir", USER_DIR, "--task", "translation", "--source-lang", "src", "--target-lang", "tgt",
-        *ARMS[arm], *MODEL,
-        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--adam-eps", "1e-8", "--weight-decay", "0.0",
-        "--lr", repr(lr), "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(warmup), "--warmup-init-lr", "0",
-        "--clip-norm", "0", "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-        "--max-tokens", str(MAX_TOKENS), "--required-batch-size-multiple", "1", "--max-update", str(updates),
-        "--seed", str(seed), "--cpu", "--num-workers", "0", "--save-dir", str(save_dir), "--no-save",
+        str(bin_dir),
+        "--user-dir",
+        USER_DIR,
+        "--task",
+        "translation",
+        "--source-lang",
+        "src",
+        "--target-lang",
+        "tgt",
+        *ARMS[arm],
+        *MODEL,
+        "--optimizer",
+        "adam",
+        "--adam-betas",
+        "(0.9, 0.98)",
+        "--adam-eps",
+        "1e-8",
+        "--weight-decay",
+        "0.0",
+        "--lr",
+        repr(lr),
+        "--lr-scheduler",
+        "inverse_sqrt",
+        "--warmup-updates",
+        str(warmup),
+        "--warmup-init-lr",
+        "0",
+        "--clip-norm",
+        "0",
+        "--criterion",
+        "label_smoothed_cross_entropy",
+        "--label-smoothing",
+        "0.1",
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--required-batch-size-multiple",
+        "1",
+        "--max-update",
+        str(updates),
+        "--seed",
+        str(seed),
+        "--cpu",
+        "--num-workers",
+        "0",
+        "--save-dir",
+        str(save_dir),
+        "--no-save",
         # No prefetching thread: a run stops mid-epoch, and a thread left filling its buffer
         # aborts the interpreter at exit ("terminate called without an active exception").
-        "--data-buffer-size", "0",
+        "--data-buffer-size",
+        "0",
     ]
 
 
@@ -149,9 +218,15 @@ def attention_snapshot(model, criterion, sample):
     the largest pre-softmax logit over real query/key pairs, the smallest per-head entropy (nats,
     averaged over the real queries of that head) and g when the module has one."""
     import torch
+
     from fairseq_qknorm.qknorm_attention import QKNormAttention
-    from fairseq_qknorm_cli.attention_stats import (AttentionStats, attention_module, query_and_key_mask,
-                                                    recording_attention, sort_key)
+    from fairseq_qknorm_cli.attention_stats import (
+        AttentionStats,
+        attention_module,
+        query_and_key_mask,
+        recording_attention,
+        sort_key,
+    )
 
     pad = criterion.padding_idx
     net_input = sample["net_input"]
@@ -170,9 +245,12 @@ def attention_snapshot(model, criterion, sample):
         if where is not None and isinstance(module, QKNormAttention) and module.qk_scale is not None:
             g[f"{where[0]} {where[1]}"] = module.qk_scale.g.tolist()
     order = sorted(stats, key=sort_key)
-    return {"loss": float(loss) / sample_size / math.log(2),
-            "max_logit": {f"{w[0]} {w[1]}": stats[w].logit_max for w in order},
-            "min_entropy": {f"{w[0]} {w[1]}": stats[w].min_head_entropy() for w in order}, "g": g}
+    return {
+        "loss": float(loss) / sample_size / math.log(2),
+        "max_logit": {f"{w[0]} {w[1]}": stats[w].logit_max for w in order},
+        "min_entropy": {f"{w[0]} {w[1]}": stats[w].min_head_entropy() for w in order},
+        "g": g,
+    }
 
 
 def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
@@ -197,11 +275,19 @@ def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
         trainer = Trainer(cfg, task, model, criterion)
         epoch_itr = trainer.get_train_iterator(epoch=1)
 
-        record = {"arm": arm, "lr": lr, "seed": seed, "command": "fairseq-train " + shlex.join(flags),
-                  "params": sum(p.numel() for p in model.parameters()),
-                  # the g0 the model was built with (`auto` resolved from the data); None: no g
-                  "qk_scale_init": cfg.model.qk_scale_init if getattr(cfg.model, "qk_scale", "none") != "none" else None,
-                  "loss": [], "gnorm": [], "stats": [], "diverged": None}
+        record = {
+            "arm": arm,
+            "lr": lr,
+            "seed": seed,
+            "command": "fairseq-train " + shlex.join(flags),
+            "params": sum(p.numel() for p in model.parameters()),
+            # the g0 the model was built with (`auto` resolved from the data); None: no g
+            "qk_scale_init": cfg.model.qk_scale_init if getattr(cfg.model, "qk_scale", "none") != "none" else None,
+            "loss": [],
+            "gnorm": [],
+            "stats": [],
+            "diverged": None,
+        }
         record["command"] = record["command"].replace(save_dir, "SAVE_DIR")
 
         def snapshot():
@@ -240,9 +326,11 @@ def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
 
 def progress_line(record):
     s, loss, gnorm = record["stats"][-1], record["loss"][-1], record["gnorm"][-1]
-    line = (f"{record['arm']} lr {record['lr']:g} seed {record['seed']} | update {s['update']} | "
-            f"loss {_fmt(loss, '.3f')} | gnorm {_fmt(gnorm, '.3f')} | fixed-batch loss {_fmt(s['loss'], '.3f')} | "
-            f"max logit {_fmt(max(s['max_logit'].values()), '.2f')} | min entropy {_fmt(min(s['min_entropy'].values()), '.3f')}")
+    line = (
+        f"{record['arm']} lr {record['lr']:g} seed {record['seed']} | update {s['update']} | "
+        f"loss {_fmt(loss, '.3f')} | gnorm {_fmt(gnorm, '.3f')} | fixed-batch loss {_fmt(s['loss'], '.3f')} | "
+        f"max logit {_fmt(max(s['max_logit'].values()), '.2f')} | min entropy {_fmt(min(s['min_entropy'].values()), '.3f')}"
+    )
     if s["g"]:
         line += f" | g {_fmt(min(s['g'].values()), '.3f')}..{_fmt(max(s['g'].values()), '.3f')}"
     return line
@@ -257,8 +345,12 @@ def summarize(run):
     stats = run["stats"]
     losses = loss_summary(run["loss"])
     return {
-        "arm": run["arm"], "lr": run["lr"], "seed": run["seed"], "updates": len(run["loss"]),
-        **losses, "diverged": run["diverged"],
+        "arm": run["arm"],
+        "lr": run["lr"],
+        "seed": run["seed"],
+        "updates": len(run["loss"]),
+        **losses,
+        "diverged": run["diverged"],
         "max_logit": max(_finite(v for s in stats for v in s["max_logit"].values()), default=math.nan),
         "min_entropy": min(_finite(v for s in stats for v in s["min_entropy"].values()), default=math.nan),
         "g_final": sorted(_finite(stats[-1]["g"].values())) or None,
@@ -271,13 +363,18 @@ def _finite(values):
 
 
 def markdown_table(runs):
-    lines = ["| arm | peak lr | seed | updates | start loss | final loss | best loss | diverged | max logit | "
-             "min entropy | final g (min..max) |", "|" + "---|" * 11]
+    lines = [
+        "| arm | peak lr | seed | updates | start loss | final loss | best loss | diverged | max logit | "
+        "min entropy | final g (min..max) |",
+        "|" + "---|" * 11,
+    ]
     for row in sorted((summarize(r) for r in runs), key=lambda r: (list(ARMS).index(r["arm"]), r["lr"], r["seed"])):
         g = f"{row['g_final'][0]:.2f}..{row['g_final'][-1]:.2f}" if row["g_final"] else "-"
-        lines.append(f"| {row['arm']} | {row['lr']:g} | {row['seed']} | {row['updates']} | {_fmt(row['start'], '.3f')} | "
-                     f"{_fmt(row['final'], '.3f')} | {_fmt(row['best'], '.3f')} | {'yes' if row['diverged'] else 'no'} | "
-                     f"{_fmt(row['max_logit'], '.2f')} | {_fmt(row['min_entropy'], '.3f')} | {g} |")
+        lines.append(
+            f"| {row['arm']} | {row['lr']:g} | {row['seed']} | {row['updates']} | {_fmt(row['start'], '.3f')} | "
+            f"{_fmt(row['final'], '.3f')} | {_fmt(row['best'], '.3f')} | {'yes' if row['diverged'] else 'no'} | "
+            f"{_fmt(row['max_logit'], '.2f')} | {_fmt(row['min_entropy'], '.3f')} | {g} |"
+        )
     return "\n".join(lines)
 
 
@@ -286,16 +383,20 @@ def seed_table(runs):
     (how far one seed is from another says what a difference between arms is worth), how many seeds
     diverged, and the attention extremes over all of them."""
     rows = [summarize(r) for r in runs]
-    lines = ["| arm | peak lr | seeds | final loss, mean (min..max) | diverged | max logit | min entropy |",
-             "|" + "---|" * 7]
+    lines = [
+        "| arm | peak lr | seeds | final loss, mean (min..max) | diverged | max logit | min entropy |",
+        "|" + "---|" * 7,
+    ]
     for arm in ARMS:
         for lr in sorted({r["lr"] for r in rows if r["arm"] == arm}):
             group = [r for r in rows if r["arm"] == arm and r["lr"] == lr]
             final = _finite(r["final"] for r in group)
             loss = f"{sum(final) / len(final):.3f} ({min(final):.3f}..{max(final):.3f})" if final else "nan"
-            lines.append(f"| {arm} | {lr:g} | {len(group)} | {loss} | {sum(bool(r['diverged']) for r in group)} | "
-                         f"{_fmt(max(_finite(r['max_logit'] for r in group), default=math.nan), '.2f')} | "
-                         f"{_fmt(min(_finite(r['min_entropy'] for r in group), default=math.nan), '.3f')} |")
+            lines.append(
+                f"| {arm} | {lr:g} | {len(group)} | {loss} | {sum(bool(r['diverged']) for r in group)} | "
+                f"{_fmt(max(_finite(r['max_logit'] for r in group), default=math.nan), '.2f')} | "
+                f"{_fmt(min(_finite(r['min_entropy'] for r in group), default=math.nan), '.3f')} |"
+            )
     return "\n".join(lines)
 
 
@@ -346,12 +447,21 @@ def plot_against_lr(runs, path, value, ylabel, title, log_y=False):
 def write_figures(runs, out_dir, updates):
     seeds = len({r["seed"] for r in runs})
     over_seeds = f" ({seeds} seeds: mean, shaded min..max)" if seeds > 1 else ""
-    plot_against_lr(runs, out_dir / "final_loss_vs_lr.png", lambda r: r["final"],
-                    f"training loss, mean of the last {WINDOW} updates (bits/token)",
-                    f"Final loss after {updates} updates vs peak learning rate{over_seeds}")
-    plot_against_lr(runs, out_dir / "max_logit_vs_lr.png", lambda r: r["max_logit"],
-                    "largest pre-softmax attention logit (any module, any snapshot)",
-                    f"Attention logit growth vs peak learning rate{over_seeds}", log_y=True)
+    plot_against_lr(
+        runs,
+        out_dir / "final_loss_vs_lr.png",
+        lambda r: r["final"],
+        f"training loss, mean of the last {WINDOW} updates (bits/token)",
+        f"Final loss after {updates} updates vs peak learning rate{over_seeds}",
+    )
+    plot_against_lr(
+        runs,
+        out_dir / "max_logit_vs_lr.png",
+        lambda r: r["max_logit"],
+        "largest pre-softmax attention logit (any module, any snapshot)",
+        f"Attention logit growth vs peak learning rate{over_seeds}",
+        log_y=True,
+    )
 
 
 def write_json(path, data):
@@ -391,18 +501,31 @@ def _positive_int(value):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--lrs", nargs="+", type=_positive_float, default=DEFAULT_LRS, metavar="LR",
-                        help="peak learning rates")
-    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), metavar="ARM",
-                        help=f"attention variants: {', '.join(ARMS)}")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--lrs", nargs="+", type=_positive_float, default=DEFAULT_LRS, metavar="LR", help="peak learning rates"
+    )
+    parser.add_argument(
+        "--arms",
+        nargs="+",
+        choices=list(ARMS),
+        default=list(ARMS),
+        metavar="ARM",
+        help=f"attention variants: {', '.join(ARMS)}",
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[1], metavar="SEED")
     parser.add_argument("--updates", type=_positive_int, default=300, help="updates per run")
-    parser.add_argument("--warmup-updates", type=_positive_int, default=75,
-                        help="linear warm-up of the inverse_sqrt schedule")
-    parser.add_argument("--stats-interval", type=_positive_int, default=10,
-                        help="attention statistics every N updates (and at update 0 and the last)")
+    parser.add_argument(
+        "--warmup-updates", type=_positive_int, default=75, help="linear warm-up of the inverse_sqrt schedule"
+    )
+    parser.add_argument(
+        "--stats-interval",
+        type=_positive_int,
+        default=10,
+        help="attention statistics every N updates (and at update 0 and the last)",
+    )
     parser.add_argument("--work-dir", type=Path, required=True, help="data (generated and binarized once)")
     parser.add_argument("--out-dir", type=Path, required=True, help="results.json and the figures")
     parser.add_argument("--threads", type=_positive_int, default=2, help="torch CPU threads")
@@ -425,16 +548,26 @@ def finished_runs(results_path, settings):
     except json.JSONDecodeError:
         fail(f"{results_path}: not valid JSON; delete it to start again")
     if old.get("settings") != json.loads(json.dumps(settings)):
-        fail(f"{results_path} holds runs with other settings (--updates, --warmup-updates, --stats-interval "
-             "or the model); use another --out-dir or delete it")
+        fail(
+            f"{results_path} holds runs with other settings (--updates, --warmup-updates, --stats-interval "
+            "or the model); use another --out-dir or delete it"
+        )
     return old["runs"]
 
 
 def main(argv=None):
     args = parse_args(argv)
-    settings = {"updates": args.updates, "warmup_updates": args.warmup_updates, "stats_interval": args.stats_interval,
-                "model": MODEL, "arms": ARMS, "max_tokens": MAX_TOKENS, "corpus": CORPUS,
-                "stats_sentences": STATS_SENTENCES, "window": WINDOW}
+    settings = {
+        "updates": args.updates,
+        "warmup_updates": args.warmup_updates,
+        "stats_interval": args.stats_interval,
+        "model": MODEL,
+        "arms": ARMS,
+        "max_tokens": MAX_TOKENS,
+        "corpus": CORPUS,
+        "stats_sentences": STATS_SENTENCES,
+        "window": WINDOW,
+    }
     results_path = args.out_dir / "results.json"
     runs = finished_runs(results_path, settings)
     args.work_dir.mkdir(parents=True, exist_ok=True)
@@ -463,15 +596,24 @@ def main(argv=None):
     if runs:
         log(f"{results_path}: keeping {len(runs)} finished runs with the same settings (delete it to redo them)")
     bin_dir = prepare_data(args.work_dir)
-    header = {"command": "python -m experiments.lr_sweep " + shlex.join(sys.argv[1:] if argv is None else argv),
-              "settings": settings, "machine": {**machine(), "torch": torch.__version__, "fairseq": fairseq.__version__,
-                                               "torch_threads": args.threads}}
+    header = {
+        "command": "python -m experiments.lr_sweep " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "settings": settings,
+        "machine": {
+            **machine(),
+            "torch": torch.__version__,
+            "fairseq": fairseq.__version__,
+            "torch_threads": args.threads,
+        },
+    }
     for seed in args.seeds:
         for arm in args.arms:
             for lr in args.lrs:
                 if any(r["arm"] == arm and r["lr"] == lr and r["seed"] == seed for r in runs):
                     continue
-                runs.append(train_run(bin_dir, arm, lr, seed, args.updates, args.warmup_updates, args.stats_interval, log))
+                runs.append(
+                    train_run(bin_dir, arm, lr, seed, args.updates, args.warmup_updates, args.stats_interval, log)
+                )
                 write_json(results_path, {**header, "runs": runs})
     write_json(results_path, {**header, "runs": runs})
     write_figures(runs, args.out_dir, args.updates)

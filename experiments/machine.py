@@ -1,4 +1,5 @@
 """What a measurement ran on, recorded beside its numbers."""
+
 import os
 import platform
 

@@ -4,6 +4,7 @@
 
 A label ending in "(dashed)" is drawn dashed: an earlier run beside the current one.
 """
+
 import argparse
 import sys
 
@@ -39,8 +40,11 @@ def main(argv=None):
     from fairseq_qknorm_cli import plots
 
     plots.require_matplotlib()
-    plots.dev_curves(args.out, args.title, [(label.removesuffix(" (dashed)"), label.endswith(" (dashed)"), rows)
-                                            for label, rows in runs])
+    plots.dev_curves(
+        args.out,
+        args.title,
+        [(label.removesuffix(" (dashed)"), label.endswith(" (dashed)"), rows) for label, rows in runs],
+    )
     print(args.out)
 
 

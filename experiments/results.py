@@ -11,6 +11,7 @@
 BLEU is reported twice: `--tokenize none` on the Moses-tokenized references is the paper's
 tokenized BLEU (the comparable number); sacrebleu's default 13a is what its signature says.
 """
+
 import argparse
 import glob
 import json
@@ -18,9 +19,8 @@ import os
 import re
 import statistics
 
-from fairseq_qknorm_cli.files import fail, write_text
-
 from experiments.fairseq_logs import parse_train_log
+from fairseq_qknorm_cli.files import fail, write_text
 
 # Henry et al. (2020), Table 1: tokenized BLEU of the baseline (Transformers without Tears) and QKNorm.
 PAPER_BLEU = {
@@ -59,8 +59,7 @@ def read_commands(path):
         return []
     with open(path, encoding="utf-8") as f:
         lines = [line.strip() for line in f if line.strip()]
-    key = [re.search(r"--save-dir (\S+)", c).group(1) if _is_training(c) and "--save-dir" in c else c
-           for c in lines]
+    key = [re.search(r"--save-dir (\S+)", c).group(1) if _is_training(c) and "--save-dir" in c else c for c in lines]
     last = {k: i for i, k in enumerate(key)}
     return [c for i, (c, k) in enumerate(zip(lines, key)) if last[k] == i]
 
@@ -103,8 +102,13 @@ def gather_pair(work, run, pair, preset, seeds, arms):
             "chrf": scores["13a"]["signatures"]["chrf"],
         }
         result["bootstrap"] = {"resamples": scores["none"].get("bootstrap"), "seed": scores["none"].get("seed")}
-    result["mean"] = {arm: {key: statistics.mean(result["seeds"][str(s)][arm][key] for s in seeds)
-                            for key in ("bleu", "bleu_13a", "chrf")} for arm in arms}
+    result["mean"] = {
+        arm: {
+            key: statistics.mean(result["seeds"][str(s)][arm][key] for s in seeds)
+            for key in ("bleu", "bleu_13a", "chrf")
+        }
+        for arm in arms
+    }
     result["commands"] = commands
     return result
 
@@ -114,30 +118,48 @@ def _fmt(x, spec=".2f"):
 
 
 def _duration(seconds):
-    return "-" if seconds is None else f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    return (
+        "-"
+        if seconds is None
+        else f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+        if seconds >= 3600
+        else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
 
 
 def format_pair(result):
     arms, first = result["arms"], result["arms"][0]
-    lines = [f"# {result['pair']}: {', '.join(arms)} (preset {result['preset']}, run {result['run']})", "",
-             "| seed | system | BLEU | 95% CI | Δ | p | BLEU 13a | chrF | best dev BLEU | updates | train time | params |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# {result['pair']}: {', '.join(arms)} (preset {result['preset']}, run {result['run']})",
+        "",
+        "| seed | system | BLEU | 95% CI | Δ | p | BLEU 13a | chrF | best dev BLEU | updates | train time | params |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for seed, per_arm in result["seeds"].items():
         for arm in arms:
             e = per_arm[arm]
             ci = "-" if not e["ci"] else f"{e['ci']['mean']:.2f} ± {e['ci']['halfwidth']:.2f}"
             delta = "" if arm == first else f"{e['bleu'] - per_arm[first]['bleu']:+.2f}"
-            lines.append(f"| {seed} | {arm} | {e['bleu']:.2f} | {ci} | {delta} | {_fmt(e['p_value'], '.4f') if arm != first else ''} "
-                         f"| {e['bleu_13a']:.2f} | {e['chrf']:.2f} | {_fmt(e.get('best_dev_bleu'))} | {_fmt(e.get('updates'), 'd')} "
-                         f"| {_duration(e['train_seconds'])} | {_fmt(e.get('params'), ',')} |")
+            lines.append(
+                f"| {seed} | {arm} | {e['bleu']:.2f} | {ci} | {delta} | {_fmt(e['p_value'], '.4f') if arm != first else ''} "
+                f"| {e['bleu_13a']:.2f} | {e['chrf']:.2f} | {_fmt(e.get('best_dev_bleu'))} | {_fmt(e.get('updates'), 'd')} "
+                f"| {_duration(e['train_seconds'])} | {_fmt(e.get('params'), ',')} |"
+            )
     if len(result["seeds"]) > 1:
         for arm in arms:
             m = result["mean"][arm]
-            lines.append(f"| mean | {arm} | {m['bleu']:.2f} | | {'' if arm == first else format(m['bleu'] - result['mean'][first]['bleu'], '+.2f')} "
-                         f"| | {m['bleu_13a']:.2f} | {m['chrf']:.2f} | | | | |")
-    lines += ["", f"BLEU: tokenized BLEU as in the paper (sacrebleu `--tokenize none` on the text as released, Moses-tokenized for TED and IWSLT); "
-                  f"p: paired bootstrap ({result['bootstrap']['resamples']} resamples) against {first}; 95% CI: bootstrap mean ± half-width.",
-              "", "Signatures:", ""]
+            lines.append(
+                f"| mean | {arm} | {m['bleu']:.2f} | | {'' if arm == first else format(m['bleu'] - result['mean'][first]['bleu'], '+.2f')} "
+                f"| | {m['bleu_13a']:.2f} | {m['chrf']:.2f} | | | | |"
+            )
+    lines += [
+        "",
+        f"BLEU: tokenized BLEU as in the paper (sacrebleu `--tokenize none` on the text as released, Moses-tokenized for TED and IWSLT); "
+        f"p: paired bootstrap ({result['bootstrap']['resamples']} resamples) against {first}; 95% CI: bootstrap mean ± half-width.",
+        "",
+        "Signatures:",
+        "",
+    ]
     lines += [f"- {k}: `{v}`" for k, v in result["signatures"].items()]
     lines += ["", "Training (dev BLEU at each validation, as `--eval-bleu` reports it: updates: BLEU):", ""]
     for seed, per_arm in result["seeds"].items():
@@ -145,7 +167,12 @@ def format_pair(result):
             e = per_arm[arm]
             curve = ", ".join(f"{u}: {b:.2f}" for u, b in e.get("dev_bleu") or [])
             lines.append(f"- {arm} seed {seed}: {curve or '-'}; ended: {e.get('stopped_by') or 'update budget'}")
-    inspected = [(seed, arm, e["inspect"]) for seed, per_arm in result["seeds"].items() for arm, e in per_arm.items() if e.get("inspect")]
+    inspected = [
+        (seed, arm, e["inspect"])
+        for seed, per_arm in result["seeds"].items()
+        for arm, e in per_arm.items()
+        if e.get("inspect")
+    ]
     for seed, arm, text in inspected:
         lines += ["", f"QK inspection, {arm} seed {seed}:", "", "```", text.rstrip(), "```"]
     lines += ["", "Commands (in order):", "", "```sh", *result["commands"], "```", ""]
@@ -164,30 +191,42 @@ def format_table(results):
     ablations = [r for r in results if r["run"] != "main"]
     lines = []
     if main:
-        lines += ["| pair | preset | seeds | baseline BLEU | QKNorm BLEU | Δ | p (first seed) | chrF base → QK | paper baseline | paper QKNorm | paper Δ |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "| pair | preset | seeds | baseline BLEU | QKNorm BLEU | Δ | p (first seed) | chrF base → QK | paper baseline | paper QKNorm | paper Δ |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in sorted(main, key=lambda r: (r["pair"], r["preset"])):
             base, qk = r["arms"][0], r["arms"][1]
             m = r["mean"]
             p = next(iter(r["seeds"].values()))[qk]["p_value"]
             paper = PAPER_BLEU.get(r["pair"])
             paper_cols = f"{paper[0]:.2f} | {paper[1]:.2f} | {paper[1] - paper[0]:+.2f}" if paper else "- | - | -"
-            lines.append(f"| {r['pair']} | {r['preset']} | {len(r['seeds'])} | {m[base]['bleu']:.2f} | {m[qk]['bleu']:.2f} "
-                         f"| {m[qk]['bleu'] - m[base]['bleu']:+.2f} | {_fmt(p, '.4f')} | {m[base]['chrf']:.1f} → {m[qk]['chrf']:.1f} | {paper_cols} |")
+            lines.append(
+                f"| {r['pair']} | {r['preset']} | {len(r['seeds'])} | {m[base]['bleu']:.2f} | {m[qk]['bleu']:.2f} "
+                f"| {m[qk]['bleu'] - m[base]['bleu']:+.2f} | {_fmt(p, '.4f')} | {m[base]['chrf']:.1f} → {m[qk]['chrf']:.1f} | {paper_cols} |"
+            )
     if ablations:
-        lines += ["", "| pair | preset | ablation | system | seeds | BLEU | Δ vs first | p (first seed) | chrF |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| pair | preset | ablation | system | seeds | BLEU | Δ vs first | p (first seed) | chrF |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in sorted(ablations, key=lambda r: (r["pair"], r["preset"], r["run"])):
             first = r["arms"][0]
             for arm in r["arms"]:
                 m = r["mean"][arm]
                 p = next(iter(r["seeds"].values()))[arm]["p_value"]
                 delta = "" if arm == first else f"{m['bleu'] - r['mean'][first]['bleu']:+.2f}"
-                lines.append(f"| {r['pair']} | {r['preset']} | {r['run']} | {arm} | {len(r['seeds'])} | {m['bleu']:.2f} | {delta} "
-                             f"| {_fmt(p, '.4f') if arm != first else ''} | {m['chrf']:.1f} |")
+                lines.append(
+                    f"| {r['pair']} | {r['preset']} | {r['run']} | {arm} | {len(r['seeds'])} | {m['bleu']:.2f} | {delta} "
+                    f"| {_fmt(p, '.4f') if arm != first else ''} | {m['chrf']:.1f} |"
+                )
     if lines:
-        lines += ["", "BLEU: tokenized BLEU (sacrebleu `--tokenize none` on the text as released, Moses-tokenized for TED and IWSLT), as the paper reports; "
-                      "mean over seeds; p: paired bootstrap against the first system. Per-run details: each results.md."]
+        lines += [
+            "",
+            "BLEU: tokenized BLEU (sacrebleu `--tokenize none` on the text as released, Moses-tokenized for TED and IWSLT), as the paper reports; "
+            "mean over seeds; p: paired bootstrap against the first system. Per-run details: each results.md.",
+        ]
     return "\n".join(lines)
 
 
@@ -203,8 +242,10 @@ def format_two_by_two(runs):
     for norm, attention in CELLS:
         rs = [r for r in runs if (r["norm"], r["attention"]) == (norm, attention)]
         if rs:
-            lines.append(f"| {norm} + {attention} | {len(rs)} | {statistics.mean(r['test_bleu'] for r in rs):.2f} "
-                         f"| {statistics.mean(r['test_chrf'] for r in rs):.1f} |")
+            lines.append(
+                f"| {norm} + {attention} | {len(rs)} | {statistics.mean(r['test_bleu'] for r in rs):.2f} "
+                f"| {statistics.mean(r['test_chrf'] for r in rs):.1f} |"
+            )
     return lines + ["", "The effects with their intervals, dev curves and learned g: examples/ted/gl-en-2x2/README.md."]
 
 
@@ -220,8 +261,12 @@ def table_main(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m experiments.results", description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.results",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("pair", help="write WORK/RUN/results.{json,md} for one finished run")
     p.add_argument("work")

@@ -9,13 +9,13 @@ Writes OUTDIR/{train,dev,test}.{SRC,TGT}: the plain-text layout every recipe rea
     python -m experiments.ted ted_talks.tar.gz --src gl --tgt en --out data/ted-gl-en
     python -m experiments.ted DIR_WITH_TSVS   --src gl --tgt en --out data/ted-gl-en
 """
+
 import argparse
 import os
 import tarfile
 
-from fairseq_qknorm_cli.files import atomic_paths, fail
-
 from experiments.check_text import utf8_lines
+from fairseq_qknorm_cli.files import atomic_paths, fail
 
 SPLITS = ("train", "dev", "test")
 NULL_MARKERS = ("__NULL__", "_ _ NULL _ _")
@@ -100,8 +100,12 @@ def extract_archive(archive, src, tgt, outdir):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m experiments.ted", description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.ted",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     parser.add_argument("source", help="ted_talks.tar.gz, or a directory holding all_talks_{train,dev,test}.tsv")
     parser.add_argument("--src", required=True, help="source language code as in the tsv header (e.g. gl)")
     parser.add_argument("--tgt", required=True, help="target language code (e.g. en)")
@@ -118,7 +122,9 @@ def main(argv=None):
             counts = {}
             for split, path in paths.items():
                 with open(path, "rb") as f:  # decoded line by line: a UTF-8 error names its line
-                    counts[split] = write_split(utf8_lines(f, path), args.src, args.tgt, os.path.join(args.out, split), path)
+                    counts[split] = write_split(
+                        utf8_lines(f, path), args.src, args.tgt, os.path.join(args.out, split), path
+                    )
     except ValueError as e:
         fail(str(e))
     for split in SPLITS:

@@ -4,6 +4,7 @@ Use as `--user-dir $(fairseq-qknorm-user-dir)` with any fairseq command; it regi
 `transformer_qknorm` and its architectures (see architectures.py), and the language model
 `transformer_lm_qknorm` and its architectures (see transformer_lm_qknorm.py).
 """
+
 import os
 
 __version__ = "0.1.0"

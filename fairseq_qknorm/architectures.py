@@ -1,5 +1,6 @@
 """Named settings for the model `transformer_qknorm`. Each only sets defaults: any flag given on
 the command line wins. The paper's two arms differ only in the norm and the attention."""
+
 from fairseq.models import register_model_architecture
 from fairseq.models.transformer import transformer_iwslt_de_en
 

@@ -2,6 +2,7 @@
 fairseq's training loop: the plugin's configuration errors (a ValueError for library callers), and
 a checkpoint that torch's safe unpickler refused. fairseq often re-raises errors inside its own
 (`Cannot load model parameters from checkpoint ...`), so the whole chain is searched."""
+
 import pickle
 import re
 import sys
@@ -31,8 +32,10 @@ def one_line(error):
             what = refused.group(1) if refused else "an object torch's safe loader does not allow"
             path = _checkpoint_path(e)
             where = f" {path}" if path else ""
-            return (f"refused to load checkpoint{where}: it holds {what}, which fairseq checkpoints never "
-                    "hold; nothing in it was run (a file you trust: name it in FAIRSEQ_QKNORM_TRUSTED_CHECKPOINT)")
+            return (
+                f"refused to load checkpoint{where}: it holds {what}, which fairseq checkpoints never "
+                "hold; nothing in it was run (a file you trust: name it in FAIRSEQ_QKNORM_TRUSTED_CHECKPOINT)"
+            )
     return None
 
 

@@ -14,6 +14,7 @@ when the plugin is imported (which `--user-dir` does); each patch is narrow and 
 5. numpy 2: fairseq's TokenBlockDataset (--task language_modeling --sample-break-mode eos) uses
    `np.compat.long`, which numpy 2 removed; that module alone sees numpy with `compat` put back.
 """
+
 import argparse
 import collections
 import logging
@@ -40,8 +41,12 @@ def _numpy_globals():
         from numpy._core.multiarray import _reconstruct
     except ImportError:  # numpy 1
         from numpy.core.multiarray import _reconstruct
-    found = [(_reconstruct, "numpy.core.multiarray._reconstruct"), (_reconstruct, "numpy._core.multiarray._reconstruct"),
-             np.ndarray, np.dtype]
+    found = [
+        (_reconstruct, "numpy.core.multiarray._reconstruct"),
+        (_reconstruct, "numpy._core.multiarray._reconstruct"),
+        np.ndarray,
+        np.dtype,
+    ]
     if hasattr(np, "dtypes"):
         found += [np.dtypes.Int64DType, np.dtypes.Float64DType]
     return found
@@ -55,8 +60,19 @@ def _distributed_resume_globals():
     from omegaconf.base import ContainerMetadata, Metadata
     from omegaconf.nodes import AnyNode
 
-    return [DictConfig, ListConfig, ContainerMetadata, Metadata, AnyNode, typing.Any, dict, list, int,
-            collections.defaultdict, _TensorPlaceholder]
+    return [
+        DictConfig,
+        ListConfig,
+        ContainerMetadata,
+        Metadata,
+        AnyNode,
+        typing.Any,
+        dict,
+        list,
+        int,
+        collections.defaultdict,
+        _TensorPlaceholder,
+    ]
 
 
 def fairseq_checkpoint_globals():
@@ -83,8 +99,10 @@ def load_checkpoint_safely(f, map_location=None, weights_only=None, **kwargs):
     file the user named as trusted is loaded with the full unpickler, and the log says so."""
     path = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)  # fairseq passes open files
     if isinstance(path, (str, os.PathLike)) and os.path.realpath(path) in trusted_checkpoints():
-        logger.warning(f"loading {path} with torch's full unpickler ({TRUSTED_CHECKPOINT_VARIABLE}): "
-                       "it can run any code it holds; trust only a file whose origin you know")
+        logger.warning(
+            f"loading {path} with torch's full unpickler ({TRUSTED_CHECKPOINT_VARIABLE}): "
+            "it can run any code it holds; trust only a file whose origin you know"
+        )
         return torch.load(f, map_location=map_location, weights_only=False, **kwargs)
     return torch.load(f, map_location=map_location, weights_only=True, **kwargs)
 

@@ -1,6 +1,7 @@
 """FixNorm (Nguyen & Chiang, 2018): every word embedding has unit length, on input (then scaled
 by sqrt(d) as usual) and in the tied output projection, whose logits become g * cos(h, e_w)
 with g the final norm's scale."""
+
 import torch
 import torch.nn.functional as F
 from torch import nn

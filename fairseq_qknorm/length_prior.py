@@ -4,6 +4,7 @@ L counts subword tokens without the </s> that fairseq appends. Each side's perce
 and the larger one is L (the longer side bounds the attention matrices). On TED gl-en with an 8k
 joint sentencepiece BPE model this is the English side: 97.5th percentile = 79, the paper's L.
 """
+
 import math
 import os
 

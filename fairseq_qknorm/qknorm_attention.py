@@ -4,6 +4,7 @@ Per head, q and k are normalized along the head dimension and the dot products a
 learnable scalar g instead of 1/sqrt(d). V is untouched. Everything else (projections, masks, the
 incremental cache and its beam reordering) is fairseq's MultiheadAttention, which this subclasses.
 """
+
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -78,8 +79,9 @@ class ScaledAffineNorm(torch.autograd.Function):
     """
 
     @staticmethod
-    def values(x: Tensor, weight: Tensor, bias: Optional[Tensor], g: Optional[Tensor], eps: float,
-               center: bool) -> Tuple[Tensor, Tensor]:
+    def values(
+        x: Tensor, weight: Tensor, bias: Optional[Tensor], g: Optional[Tensor], eps: float, center: bool
+    ) -> Tuple[Tensor, Tensor]:
         """(y, rstd), without autograd: what beam search calls."""
         acc = torch.promote_types(x.dtype, torch.float32)
         xf = x.to(acc)
@@ -165,8 +167,16 @@ class QKNormAttention(MultiheadAttention):
     usual 1/sqrt(head_dim).
     """
 
-    def __init__(self, embed_dim, num_heads, qk_norm="l2", qk_scale="learned", qk_scale_init=None,
-                 qk_scale_per_head=False, **kwargs):
+    def __init__(
+        self,
+        embed_dim,
+        num_heads,
+        qk_norm="l2",
+        qk_scale="learned",
+        qk_scale_init=None,
+        qk_scale_per_head=False,
+        **kwargs,
+    ):
         if kwargs.get("add_bias_kv") or kwargs.get("add_zero_attn"):
             raise QKNormConfigError("QKNormAttention does not support add_bias_kv / add_zero_attn")
         super().__init__(embed_dim, num_heads, **kwargs)
@@ -265,7 +275,7 @@ class QKNormAttention(MultiheadAttention):
             q = q.view(kv_bsz, group, self.num_heads, tgt_len, self.head_dim).transpose(1, 2)
             q = q.reshape(kv_bsz, self.num_heads, group * tgt_len, self.head_dim)
         mask = self._additive_mask(attn_mask, key_padding_mask, group, q.dtype)
-        scale = 1.0 if self.qk_scale is not None else self.head_dim ** -0.5
+        scale = 1.0 if self.qk_scale is not None else self.head_dim**-0.5
         dropout_p = self.dropout_module.p if self.training or self.dropout_module.apply_during_inference else 0.0
 
         weights = None
@@ -303,8 +313,9 @@ class QKNormAttention(MultiheadAttention):
         return x.view(kv_bsz, heads, group, tgt_len, last).transpose(1, 2).reshape(-1, heads, tgt_len, last)
 
     @staticmethod
-    def _additive_mask(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], group: int,
-                       dtype: torch.dtype) -> Optional[Tensor]:
+    def _additive_mask(
+        attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], group: int, dtype: torch.dtype
+    ) -> Optional[Tensor]:
         """One additive mask (batch or 1, 1, group*tgt, src): fairseq's attn_mask (float -inf, or
         bool True = blocked) plus key padding (nonzero = pad) as -inf."""
         mask = None

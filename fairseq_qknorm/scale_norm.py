@@ -1,5 +1,6 @@
 """ScaleNorm (Nguyen & Salazar, 2019, "Transformers without Tears"): g * x / ||x||, one learned
 scalar g initialized to sqrt(d). The paper's baseline uses it where the QKNorm system uses LayerNorm."""
+
 import math
 
 import torch

@@ -6,6 +6,7 @@ For `--qk-scale-init auto`, L is the length of the samples the task trains on: w
 `--sample-break-mode none` every block holds --tokens-per-sample tokens; with eos, complete or
 complete_doc, L is the --qk-length-percentile of the training samples' lengths.
 """
+
 import argparse
 import logging
 
@@ -23,8 +24,7 @@ from omegaconf import OmegaConf
 
 from .errors import QKNormConfigError
 from .length_prior import g0_for_length, length_percentile
-from .qknorm_attention import QK_NORMS, QK_SCALES
-from .transformer_qknorm import QKNormTransformerDecoder, _auto_or_float, _percentile, resolve_qk_scale_init
+from .transformer_qknorm import QKNormTransformerDecoder, add_qk_args, check_qk_flags, resolve_qk_scale_init
 
 logger = logging.getLogger(__name__)
 
@@ -41,16 +41,7 @@ class TransformerLMQKNormModel(TransformerLanguageModel):
         # the translation model's does; fairseq's LM flags come from fairseq's LM dataclass, without
         # defaults (as fairseq adds them) so that the architectures set them.
         gen_parser_from_dataclass(parser, TransformerLanguageModelConfig(), delete_default=True)
-        parser.add_argument("--qk-norm", choices=QK_NORMS,
-                            help="normalize q and k per head: l2 (the paper), layernorm, rmsnorm, none")
-        parser.add_argument("--qk-scale", choices=QK_SCALES,
-                            help="scale of q.k: a learned scalar g, a fixed g, or none (1/sqrt(head_dim))")
-        parser.add_argument("--qk-scale-init", metavar="auto|FLOAT", type=_auto_or_float,
-                            help="initial g; auto = log2(L^2 - L), L the length of the training samples")
-        parser.add_argument("--qk-length-percentile", type=_percentile, metavar="P",
-                            help="percentile of training sample lengths that gives L for auto (default 97.5)")
-        parser.add_argument("--qk-scale-per-head", action="store_true",
-                            help="one g per head instead of one per attention module")
+        add_qk_args(parser, "the training sample lengths (--sample-break-mode none: --tokens-per-sample)")
 
     @classmethod
     def build_model(cls, args, task):
@@ -63,8 +54,9 @@ class TransformerLMQKNormModel(TransformerLanguageModel):
         # for one with QK-norm layers around the same embeddings.
         stock = super().build_model(args, task)
         cfg = TransformerConfig.from_namespace(argparse.Namespace(**{**vars(args), **TRANSLATION_ONLY}))
-        return cls(QKNormTransformerDecoder(cfg, task.target_dictionary, stock.decoder.embed_tokens,
-                                            no_encoder_attn=True))
+        return cls(
+            QKNormTransformerDecoder(cfg, task.target_dictionary, stock.decoder.embed_tokens, no_encoder_attn=True)
+        )
 
 
 def resolve_lm_qk_scale_init(args, task) -> float:
@@ -72,6 +64,7 @@ def resolve_lm_qk_scale_init(args, task) -> float:
     training time: the number replaces `auto` in the saved args)."""
     if args.qk_scale == "none" or args.qk_scale_init != "auto":
         return resolve_qk_scale_init(args, task)
+    check_qk_flags(args)
     split = getattr(args, "train_subset", None) or "train"
     break_mode = getattr(task.args, "sample_break_mode", None) or "none"
     if break_mode == "none":
@@ -79,8 +72,10 @@ def resolve_lm_qk_scale_init(args, task) -> float:
     else:
         lengths = sample_lengths(task, split)
         length = length_percentile(lengths, args.qk_length_percentile)
-        source = (f"{args.qk_length_percentile:g}th percentile of the {len(lengths)} '{split}' samples, "
-                  f"--sample-break-mode {break_mode}")
+        source = (
+            f"{args.qk_length_percentile:g}th percentile of the {len(lengths)} '{split}' samples, "
+            f"--sample-break-mode {break_mode}"
+        )
     if getattr(task.args, "add_bos_token", False):
         length += 1  # the task puts <s> in front of every sample
     g0 = g0_for_length(length)
@@ -97,7 +92,8 @@ def sample_lengths(task, split):
         except FileNotFoundError:
             raise QKNormConfigError(
                 f"--qk-scale-init auto: no '{split}' split in {task.args.data}; binarize the training "
-                "text with fairseq-preprocess --only-source, or pass --qk-scale-init FLOAT") from None
+                "text with fairseq-preprocess --only-source, or pass --qk-scale-init FLOAT"
+            ) from None
     lengths = task.dataset(split).sizes
     if not loaded:  # fairseq-train loads the training split itself, later, for its first epoch
         del task.datasets[split]

@@ -1,6 +1,7 @@
 """The `transformer_qknorm` model: fairseq's transformer with QKNormAttention in every attention
 module, plus the paper's other switches (ScaleNorm, FixNorm, word dropout). Only the builders are
 overridden; forward passes are fairseq's own."""
+
 import argparse
 import logging
 import math
@@ -36,30 +37,26 @@ class TransformerQKNormModel(TransformerModel):
     @classmethod
     def add_args(cls, parser):
         super().add_args(parser)
-        # No defaults here: the architectures set them (fairseq's convention).
-        parser.add_argument("--qk-norm", choices=QK_NORMS,
-                            help="normalize q and k per head: l2 (the paper), layernorm, rmsnorm, none")
-        parser.add_argument("--qk-scale", choices=QK_SCALES,
-                            help="scale of q.k: a learned scalar g, a fixed g, or none (1/sqrt(head_dim))")
-        parser.add_argument("--qk-scale-init", metavar="auto|FLOAT", type=_auto_or_float,
-                            help="initial g (> 0); auto = log2(L^2 - L), L from the training split")
-        parser.add_argument("--qk-length-percentile", type=_percentile, metavar="P",
-                            help="percentile of training lengths that gives L for auto (default 97.5)")
-        parser.add_argument("--qk-scale-per-head", action="store_true",
-                            help="one g per head instead of one per attention module")
-        parser.add_argument("--norm-type", choices=NORM_TYPES,
-                            help="sublayer norm: layernorm, or scalenorm (Nguyen & Salazar 2019)")
-        parser.add_argument("--fixnorm", action="store_true",
-                            help="unit-length word embeddings (FixNorm)")
-        parser.add_argument("--word-dropout", type=_probability, metavar="P",
-                            help="replace input tokens by <unk> with probability P while training")
+        add_qk_args(parser, "the training sentence lengths")
+        parser.add_argument(
+            "--norm-type", choices=NORM_TYPES, help="sublayer norm: layernorm, or scalenorm (Nguyen & Salazar 2019)"
+        )
+        parser.add_argument("--fixnorm", action="store_true", help="unit-length word embeddings (FixNorm)")
+        parser.add_argument(
+            "--word-dropout",
+            type=_probability,
+            metavar="P",
+            help="replace input tokens by <unk> with probability P while training",
+        )
 
     @classmethod
     def build_model(cls, args, task):
         qknorm_base_architecture(args)
         if args.share_all_embeddings and task.source_dictionary != task.target_dictionary:
-            raise QKNormConfigError("--share-all-embeddings (set by the paper architectures) needs one "
-                                    "dictionary for both sides: binarize with fairseq-preprocess --joined-dictionary")
+            raise QKNormConfigError(
+                "--share-all-embeddings (set by the paper architectures) needs one "
+                "dictionary for both sides: binarize with fairseq-preprocess --joined-dictionary"
+            )
         args.qk_scale_init = resolve_qk_scale_init(args, task)  # in the config that is saved
         if OmegaConf.is_config(args):
             # fairseq-hydra-train: TransformerConfig.from_namespace keeps a Namespace's extra keys
@@ -114,6 +111,32 @@ def _positive_g(value) -> bool:
     return math.isfinite(value) and value > 0
 
 
+def add_qk_args(parser, lengths):
+    """The QK-norm flags, shared by the translation and language models; LENGTHS says what L is
+    the percentile of. No defaults here: the architectures set them (fairseq's convention)."""
+    parser.add_argument(
+        "--qk-norm", choices=QK_NORMS, help="normalize q and k per head: l2 (the paper), layernorm, rmsnorm, none"
+    )
+    parser.add_argument(
+        "--qk-scale", choices=QK_SCALES, help="scale of q.k: a learned scalar g, a fixed g, or none (1/sqrt(head_dim))"
+    )
+    parser.add_argument(
+        "--qk-scale-init",
+        metavar="auto|FLOAT",
+        type=_auto_or_float,
+        help="initial g (> 0); auto = log2(L^2 - L), L a percentile of " + lengths,
+    )
+    parser.add_argument(
+        "--qk-length-percentile",
+        type=_percentile,
+        metavar="P",
+        help=f"percentile of {lengths} that gives L for auto (default 97.5)",
+    )
+    parser.add_argument(
+        "--qk-scale-per-head", action="store_true", help="one g per head instead of one per attention module"
+    )
+
+
 def _auto_or_float(value: str):
     if value == "auto":
         return value
@@ -148,12 +171,16 @@ def check_qk_flags(args):
         raise QKNormConfigError(f"--word-dropout: expected a probability in [0, 1), got {word_dropout!r}")
     if getattr(args, "qk_scale_per_head", False):
         if args.qk_scale == "none":
-            raise QKNormConfigError("--qk-scale-per-head: there is no g with --qk-scale none; "
-                                    "use --qk-scale learned or fixed, or drop --qk-scale-per-head")
+            raise QKNormConfigError(
+                "--qk-scale-per-head: there is no g with --qk-scale none; "
+                "use --qk-scale learned or fixed, or drop --qk-scale-per-head"
+            )
         heads = [getattr(args, f"{side}_attention_heads", None) for side in ("encoder", "decoder")]
         if max((h for h in heads if h is not None), default=None) == 1:
-            raise QKNormConfigError("--qk-scale-per-head: every attention has one head, so one g per head "
-                                    "is one g per module; drop --qk-scale-per-head")
+            raise QKNormConfigError(
+                "--qk-scale-per-head: every attention has one head, so one g per head "
+                "is one g per module; drop --qk-scale-per-head"
+            )
 
 
 def resolve_qk_scale_init(args, task) -> float:
@@ -172,8 +199,9 @@ def resolve_qk_scale_init(args, task) -> float:
         raise QKNormConfigError("--qk-scale-init auto needs the task's binarized training data; pass a number instead")
     split = getattr(args, "train_subset", None) or "train"
     length, g0 = g0_from_data(data, split, task.cfg.source_lang, task.cfg.target_lang, args.qk_length_percentile)
-    logger.info(f"qk-norm: L={length} ({args.qk_length_percentile:g}th percentile of '{split}' lengths) "
-                f"g0=log2(L^2-L)={g0:.4f}")
+    logger.info(
+        f"qk-norm: L={length} ({args.qk_length_percentile:g}th percentile of '{split}' lengths) g0=log2(L^2-L)={g0:.4f}"
+    )
     return g0
 
 
@@ -187,9 +215,11 @@ def warn_if_g_not_positive(module, prefix, num_updates):
     for name, g in gs.items():
         if name not in warned and g.detach().min().item() <= 0:
             warned.add(name)
-            logger.warning(f"qk-norm: the learned g {prefix}{name} is {g.detach().min().item():.4g} at update "
-                           f"{num_updates}: g <= 0 turns attention towards the least similar keys (lower the "
-                           "learning rate, or the weight decay on g)")
+            logger.warning(
+                f"qk-norm: the learned g {prefix}{name} is {g.detach().min().item():.4g} at update "
+                f"{num_updates}: g <= 0 turns attention towards the least similar keys (lower the "
+                "learning rate, or the weight decay on g)"
+            )
 
 
 def build_attention(embed_dim, num_heads, cfg, **kwargs):
@@ -231,12 +261,24 @@ class QKNormDecoderLayer(TransformerDecoderLayerBase):
             use_scale_norm(self, ("self_attn_layer_norm", "encoder_attn_layer_norm", "final_layer_norm"))
 
     def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
-        return build_attention(embed_dim, cfg.decoder.attention_heads, cfg, add_bias_kv=add_bias_kv,
-                               add_zero_attn=add_zero_attn, self_attention=not cfg.cross_self_attention)
+        return build_attention(
+            embed_dim,
+            cfg.decoder.attention_heads,
+            cfg,
+            add_bias_kv=add_bias_kv,
+            add_zero_attn=add_zero_attn,
+            self_attention=not cfg.cross_self_attention,
+        )
 
     def build_encoder_attention(self, embed_dim, cfg):
-        return build_attention(embed_dim, cfg.decoder.attention_heads, cfg, kdim=cfg.encoder.embed_dim,
-                               vdim=cfg.encoder.embed_dim, encoder_decoder_attention=True)
+        return build_attention(
+            embed_dim,
+            cfg.decoder.attention_heads,
+            cfg,
+            kdim=cfg.encoder.embed_dim,
+            vdim=cfg.encoder.embed_dim,
+            encoder_decoder_attention=True,
+        )
 
 
 class QKNormTransformerEncoder(TransformerEncoderBase):

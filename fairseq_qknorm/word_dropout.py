@@ -1,5 +1,6 @@
 """Word dropout as in the paper's code (Transformers without Tears): while training, each input
 token is replaced by <unk> with probability p. Padding, </s> and <s> are left alone."""
+
 import torch
 
 

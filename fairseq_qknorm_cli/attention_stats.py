@@ -6,6 +6,7 @@ Nothing of fairseq's attention is reimplemented: each module is called through i
 asked for per-head weights (need_head_weights) and, in a second call, for its logits
 (before_softmax). This works for QKNormAttention and for fairseq's stock MultiheadAttention alike.
 """
+
 import contextlib
 import inspect
 import math
@@ -19,8 +20,11 @@ from torch import Tensor
 
 SATURATION = 0.9  # a query row whose largest weight exceeds this counts as saturated
 KINDS = ("encoder self", "decoder self", "decoder cross")
-_KIND = {("encoder", "self_attn"): "encoder self", ("decoder", "self_attn"): "decoder self",
-         ("decoder", "encoder_attn"): "decoder cross"}
+_KIND = {
+    ("encoder", "self_attn"): "encoder self",
+    ("decoder", "self_attn"): "decoder self",
+    ("decoder", "encoder_attn"): "decoder cross",
+}
 # Allow wrappers (activation checkpointing, FSDP) between the layer and its attention module.
 _ATTENTION_NAME = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.(?:.*\.)?(self_attn|encoder_attn)$")
 
@@ -142,12 +146,24 @@ class AttentionStats:
 
     def summary(self) -> Dict[str, float]:
         n = max(self.rows, 1)
-        return {"rows": self.rows, "entropy": self.entropy_sum / n, "max_weight": self.max_weight_sum / n,
-                "saturated": self.saturated_rows / n, "logit_min": self.logit_min, "logit_max": self.logit_max}
+        return {
+            "rows": self.rows,
+            "entropy": self.entropy_sum / n,
+            "max_weight": self.max_weight_sum / n,
+            "saturated": self.saturated_rows / n,
+            "logit_min": self.logit_min,
+            "logit_max": self.logit_max,
+        }
 
 
-def forward_with_stats(model, stats: Dict[Where, AttentionStats], src_tokens: Tensor, src_lengths: Tensor,
-                       prev_output_tokens: Tensor, pad: int) -> None:
+def forward_with_stats(
+    model,
+    stats: Dict[Where, AttentionStats],
+    src_tokens: Tensor,
+    src_lengths: Tensor,
+    prev_output_tokens: Tensor,
+    pad: int,
+) -> None:
     """One teacher-forced forward pass; adds every module's attention to stats[(kind, layer)]."""
     src_valid, tgt_valid = src_tokens.ne(pad), prev_output_tokens.ne(pad)
 

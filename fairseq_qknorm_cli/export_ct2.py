@@ -19,6 +19,7 @@ One g per head fits only the last: a norm's weight is shared by the heads. Trans
 refused: CTranslate2's cross attention normalizes the queries over the whole projection before
 splitting heads, so per-head QKNorm there has no exact form.
 """
+
 import argparse
 import copy
 import math
@@ -41,10 +42,13 @@ def exportable(args):
         raise QKNormConfigError(
             f"{args.arch} is a translation model: CTranslate2's cross attention normalizes the queries over the "
             "whole projection before splitting heads, so per-head QKNorm there has no exact form; only "
-            f"{LM_MODEL} models are exported")
+            f"{LM_MODEL} models are exported"
+        )
     if model != LM_MODEL:
-        raise QKNormConfigError(f"architecture {getattr(args, 'arch', None)!r} is not a {LM_MODEL} model; "
-                                "stock fairseq models convert with CTranslate2's ct2-fairseq-converter")
+        raise QKNormConfigError(
+            f"architecture {getattr(args, 'arch', None)!r} is not a {LM_MODEL} model; "
+            "stock fairseq models convert with CTranslate2's ct2-fairseq-converter"
+        )
 
 
 def scale_of(attn):
@@ -58,8 +62,9 @@ def with_qk_norm(attn):
     """A self-attention spec with q and k norms of attn's kind (none for --qk-norm none)."""
     from ctranslate2.specs import attention_spec
 
-    return attention_spec.MultiHeadAttentionSpec(self_attention=True, qk_norm=attn.qk_norm != "none",
-                                                 qk_norm_rms=attn.qk_norm != "layernorm")
+    return attention_spec.MultiHeadAttentionSpec(
+        self_attention=True, qk_norm=attn.qk_norm != "none", qk_norm_rms=attn.qk_norm != "layernorm"
+    )
 
 
 def set_qk_norm(spec, attn):
@@ -74,7 +79,8 @@ def set_qk_norm(spec, attn):
     if factor.size > 1 and not np.all(factor == factor.flat[0]):
         raise QKNormConfigError(
             f"--qk-scale-per-head with --qk-norm {attn.qk_norm}: CTranslate2's q-norm weight is shared by all heads, "
-            "so one g per head has no exact form there")
+            "so one g per head has no exact form there"
+        )
     factor = np.float32(factor.flat[0])
     layernorm = attn.qk_norm == "layernorm"
     if attn.qk_norm == "l2":
@@ -127,8 +133,11 @@ def make_converter(model_path, data_dir):
 def parse_args(argv=None):
     from ctranslate2.converters.converter import Converter
 
-    parser = argparse.ArgumentParser(prog="fairseq-qknorm-export-ct2", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="fairseq-qknorm-export-ct2",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--model_path", required=True, help="the transformer_lm_qknorm checkpoint (.pt)")
     parser.add_argument("--data_dir", required=True, help="the binarized data folder holding its dict.txt")
     Converter.declare_arguments(parser)  # --output_dir, --vocab_mapping, --quantization, --force

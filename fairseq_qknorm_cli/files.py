@@ -1,6 +1,7 @@
 """Small helpers every tool of the project shares: the one-line error exit, and files that appear
 under their final name only when complete (written to NAME.tmp, then renamed), so a run killed
 half-way never leaves a truncated file that a rerun would trust."""
+
 import os
 import sys
 from contextlib import contextmanager

@@ -10,6 +10,7 @@ through fairseq and run them in eval mode with teacher forcing. Every table and 
 system from its checkpoint's config ("baseline: ScaleNorm, scaled dot product", "QKNorm: LayerNorm,
 l2 + learned g"); --labels NAME ... replaces those names.
 """
+
 import argparse
 import glob
 import json
@@ -79,7 +80,7 @@ def distinct_parts(paths):
     head = len(os.path.commonprefix(split))
     tail = len(os.path.commonprefix([s[::-1] for s in split]))
     tail = min(tail, min(map(len, split)) - head - 1)  # each keeps at least one component
-    return [os.sep.join(s[head:len(s) - tail]) for s in split]
+    return [os.sep.join(s[head : len(s) - tail]) for s in split]
 
 
 def temperatures(path, state, name=None):
@@ -102,9 +103,11 @@ def temperatures(path, state, name=None):
         for head, g in enumerate(values):
             rows.append({"module": where[0], "layer": where[1], "head": head if per_head else None, "g": g})
     if not rows:
-        fail(f"{path} has no QKNorm temperature g (no '*{G_SUFFIX}' parameter; "
-             f"arch {getattr(cfg, 'arch', '?')}, {system_name(cfg)}); "
-             "`fairseq-qknorm-inspect stats` gives attention statistics for any checkpoint")
+        fail(
+            f"{path} has no QKNorm temperature g (no '*{G_SUFFIX}' parameter; "
+            f"arch {getattr(cfg, 'arch', '?')}, {system_name(cfg)}); "
+            "`fairseq-qknorm-inspect stats` gives attention statistics for any checkpoint"
+        )
     rows.sort(key=lambda r: (sort_key((r["module"], r["layer"])), r["head"] or 0))
     g0 = getattr(cfg, "qk_scale_init", None)
     g0 = float(g0) if isinstance(g0, (int, float)) else None  # 'auto' only in pre-build configs
@@ -121,16 +124,24 @@ def temperatures(path, state, name=None):
         "g0": g0,
         "L": length_from_g0(g0) if g0 is not None and getattr(cfg, "qk_scale", None) == "learned" else None,
         "g": rows,
-        "summary": {"count": len(gs), "min": min(gs), "median": statistics.median(gs), "max": max(gs),
-                    "below": sum(g < low for g in gs), "within": sum(low <= g <= high for g in gs),
-                    "above": sum(g > high for g in gs)},
+        "summary": {
+            "count": len(gs),
+            "min": min(gs),
+            "median": statistics.median(gs),
+            "max": max(gs),
+            "below": sum(g < low for g in gs),
+            "within": sum(low <= g <= high for g in gs),
+            "above": sum(g > high for g in gs),
+        },
     }
 
 
 def print_temperatures(t):
     g0 = t["g0"]
-    print(f"{t['name']} ({t['checkpoint']}): {t['arch']}, {t['num_updates']} updates, "
-          f"one g per {'head' if t['per_head'] else 'attention module'}")
+    print(
+        f"{t['name']} ({t['checkpoint']}): {t['arch']}, {t['num_updates']} updates, "
+        f"one g per {'head' if t['per_head'] else 'attention module'}"
+    )
     if t["qk_scale"] == "fixed":  # a constant, not derived from a length: nothing learned to show
         print(f"g = {g0:.4f} in every module, fixed (--qk-scale fixed --qk-scale-init {g0:g}): not learned")
         return
@@ -138,8 +149,15 @@ def print_temperatures(t):
         print(f"g0 = {g0:.4f} = log2(L^2 - L), L = {t['L']:.0f}")
     rows = [["module", "layer", "head", "g", "g - g0"]]
     for r in t["g"]:
-        rows.append([r["module"], str(r["layer"]), "-" if r["head"] is None else str(r["head"]), f"{r['g']:.4f}",
-                     "-" if g0 is None else f"{r['g'] - g0:+.4f}"])
+        rows.append(
+            [
+                r["module"],
+                str(r["layer"]),
+                "-" if r["head"] is None else str(r["head"]),
+                f"{r['g']:.4f}",
+                "-" if g0 is None else f"{r['g'] - g0:+.4f}",
+            ]
+        )
     print_table(rows, left=2)
     print(summary_line(t))
 
@@ -148,9 +166,11 @@ def summary_line(t):
     s = t["summary"]
     low, high = G_RANGE
     start = "" if t["g0"] is None else f", g0 {t['g0']:.2f}"
-    return (f"summary: {s['count']} g from {s['min']:.2f} to {s['max']:.2f} (median {s['median']:.2f}{start}); "
-            f"{s['within']} of {s['count']} within {low:g}-{high:g}, the range Bricken & Pehlevan read off "
-            f"trained QKNorm heads ({s['below']} below, {s['above']} above)")
+    return (
+        f"summary: {s['count']} g from {s['min']:.2f} to {s['max']:.2f} (median {s['median']:.2f}{start}); "
+        f"{s['within']} of {s['count']} within {low:g}-{high:g}, the range Bricken & Pehlevan read off "
+        f"trained QKNorm heads ({s['below']} below, {s['above']} above)"
+    )
 
 
 def print_table(rows, left):
@@ -173,7 +193,8 @@ def load_model(path, data, device):
 
     try:
         models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(
-            [path], arg_overrides={"data": data} if data is not None else None)
+            [path], arg_overrides={"data": data} if data is not None else None
+        )
     except FileNotFoundError as e:
         where = "--data" if data is not None else f"{path} (its training data; pass --data)"
         fail(f"{where}: {e}")
@@ -193,7 +214,8 @@ def subset_statistics(model, task, subset, max_tokens):
     dataset = task.dataset(subset)
     warnings.filterwarnings("ignore", message=".*'pin_memory' argument is set as true")  # fairseq's loader, CPU
     batches = task.get_batch_iterator(
-        dataset=dataset, max_tokens=max_tokens,
+        dataset=dataset,
+        max_tokens=max_tokens,
         max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
         required_batch_size_multiple=1,  # the default 8 silently drops the last batch
     ).next_epoch_itr(shuffle=False)
@@ -202,8 +224,9 @@ def subset_statistics(model, task, subset, max_tokens):
     for batch in batches:
         batch = utils.move_to_cuda(batch, device=device) if device.type == "cuda" else batch
         net = batch["net_input"]
-        forward_with_stats(model, stats, net["src_tokens"], net["src_lengths"], net["prev_output_tokens"],
-                           task.target_dictionary.pad())
+        forward_with_stats(
+            model, stats, net["src_tokens"], net["src_lengths"], net["prev_output_tokens"], task.target_dictionary.pad()
+        )
         sentences += batch["nsentences"]
     if sentences != len(dataset):
         fail(f"--subset {subset}: saw {sentences} of {len(dataset)} sentence pairs (longer than the model allows?)")
@@ -217,21 +240,29 @@ def attention_report(args, device):
     for index, path in enumerate(args.checkpoints):
         model, cfg, task = load_model(path, args.data, device)
         stats, sentences = subset_statistics(model, task, args.subset, args.max_tokens)
-        runs.append({
-            "checkpoint": path, "name": args.labels[index] if args.labels else system_name(cfg),
-            "arch": getattr(cfg, "arch", None), "sentences": sentences,
-            "modules": [{"module": w[0], "layer": w[1], **stats[w].summary()} for w in sorted(stats, key=sort_key)],
-        })
+        runs.append(
+            {
+                "checkpoint": path,
+                "name": args.labels[index] if args.labels else system_name(cfg),
+                "arch": getattr(cfg, "arch", None),
+                "sentences": sentences,
+                "modules": [{"module": w[0], "layer": w[1], **stats[w].summary()} for w in sorted(stats, key=sort_key)],
+            }
+        )
     return {"data": args.data, "subset": args.subset, "saturation_threshold": SATURATION, "checkpoints": runs}
 
 
 def print_attention(report):
     runs = report["checkpoints"]
-    print(f"attention on '{report['subset']}' of {report['data']}: {runs[0]['sentences']} sentence pairs, "
-          "eval mode, teacher forcing")
-    print("per module, over heads and query rows (real tokens with at least two keys to choose from): mean "
-          "entropy (nats), mean maximum weight (max w), share of rows with maximum weight > "
-          f"{report['saturation_threshold']:g} (saturated), range of the pre-softmax logits")
+    print(
+        f"attention on '{report['subset']}' of {report['data']}: {runs[0]['sentences']} sentence pairs, "
+        "eval mode, teacher forcing"
+    )
+    print(
+        "per module, over heads and query rows (real tokens with at least two keys to choose from): mean "
+        "entropy (nats), mean maximum weight (max w), share of rows with maximum weight > "
+        f"{report['saturation_threshold']:g} (saturated), range of the pre-softmax logits"
+    )
     for index, run in enumerate(runs, 1):
         print(f"[{index}] {run['name']} ({run['checkpoint']}, {run['arch']})")
     keys = []
@@ -246,9 +277,16 @@ def print_attention(report):
         row = [key[0], str(key[1])]
         for run in runs:
             m = next((m for m in run["modules"] if (m["module"], m["layer"]) == key), None)
-            row += ["-"] * len(columns) if m is None else [
-                f"{m['entropy']:.3f}", f"{m['max_weight']:.3f}", f"{100 * m['saturated']:.1f}%",
-                f"{m['logit_min']:.2f} .. {m['logit_max']:.2f}"]
+            row += (
+                ["-"] * len(columns)
+                if m is None
+                else [
+                    f"{m['entropy']:.3f}",
+                    f"{m['max_weight']:.3f}",
+                    f"{100 * m['saturated']:.1f}%",
+                    f"{m['logit_min']:.2f} .. {m['logit_max']:.2f}",
+                ]
+            )
         rows.append(row)
     print_table(rows, left=2)
 
@@ -258,8 +296,9 @@ def print_attention(report):
 
 def encode(sp, dictionary, text):
     """Text -> token ids with </s>, through the sentencepiece model and the model's dictionary."""
-    return dictionary.encode_line(" ".join(sp.encode(text, out_type=str)), add_if_not_exist=False,
-                                  append_eos=True).long()
+    return dictionary.encode_line(
+        " ".join(sp.encode(text, out_type=str)), add_if_not_exist=False, append_eos=True
+    ).long()
 
 
 def greedy_translation(model, src_tokens, dictionary):
@@ -306,8 +345,11 @@ def heatmaps(args, device):
         src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
         src, tgt = encode(sp, src_dict, args.sentence).to(device), encode(sp, tgt_dict, target_text).to(device)
         prev = torch.cat([tgt.new_tensor([tgt_dict.eos()]), tgt[:-1]])  # teacher forcing input
-        tokens = {"source": [src_dict[i] for i in src.tolist()], "target": [tgt_dict[i] for i in tgt.tolist()],
-                  "decoder input": [tgt_dict[i] for i in prev.tolist()]}
+        tokens = {
+            "source": [src_dict[i] for i in src.tolist()],
+            "target": [tgt_dict[i] for i in tgt.tolist()],
+            "decoder input": [tgt_dict[i] for i in prev.tolist()],
+        }
         maps.append((sentence_attention(model, src, prev), tokens))
     os.makedirs(args.png_dir, exist_ok=True)
     files = []
@@ -315,14 +357,21 @@ def heatmaps(args, device):
         layers = sorted({layer for m, _ in maps for k, layer in m if k == kind})
         if not layers:
             continue
-        panels = [[_panel(kind, layer, m, tokens, label) for (m, tokens), label in zip(maps, labels)]
-                  for layer in layers]
-        title = (f"{kind} attention, mean over heads\nsource: {args.sentence}\n"
-                 f"target ({target_from}): {target_text}")
+        panels = [
+            [_panel(kind, layer, m, tokens, label) for (m, tokens), label in zip(maps, labels)] for layer in layers
+        ]
+        title = f"{kind} attention, mean over heads\nsource: {args.sentence}\ntarget ({target_from}): {target_text}"
         path = os.path.join(args.png_dir, f"attention_{kind.replace(' ', '_')}.png")
         files.append({"module": kind, **plots.attention_heatmaps(path, kind, title, panels)})
-    return {"sentence": args.sentence, "target": target_text, "target_from": target_from,
-            "checkpoints": args.checkpoints, "names": names, "tokens": [t for _, t in maps], "files": files}
+    return {
+        "sentence": args.sentence,
+        "target": target_text,
+        "target_from": target_from,
+        "checkpoints": args.checkpoints,
+        "names": names,
+        "tokens": [t for _, t in maps],
+        "files": files,
+    }
 
 
 def _panel(kind, layer, maps, tokens, label):
@@ -358,12 +407,17 @@ def g_history(args):
         fail(f"{args.directory}: its checkpoints do not all have the same modules")
     last = points[updates[-1]]
     name = args.labels[0] if args.labels else last["name"]
-    title = (f"learned temperature g over training: {name}\n"
-             f"{args.directory}, {last['arch']}, {len(updates)} checkpoints")
+    title = f"learned temperature g over training: {name}\n{args.directory}, {last['arch']}, {len(updates)} checkpoints"
     os.makedirs(args.png_dir, exist_ok=True)
     png = plots.g_history(os.path.join(args.png_dir, "g_history.png"), title, updates, series, last["g0"], G_RANGE)
-    return {"directory": args.directory, "name": name, "updates": updates, "g0": last["g0"],
-            "g": {label: values for label, (_, _, values) in series.items()}, "file": png}
+    return {
+        "directory": args.directory,
+        "name": name,
+        "updates": updates,
+        "g0": last["g0"],
+        "g": {label: values for label, (_, _, values) in series.items()},
+        "file": png,
+    }
 
 
 # ----------------------------------------------------------------------------- command line
@@ -384,43 +438,76 @@ def existing(kind):
 
 def parse_args(argv):
     summary, usage = __doc__.split("\n", 1)
-    parser = argparse.ArgumentParser(prog="fairseq-qknorm-inspect", description=summary, epilog=usage,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="fairseq-qknorm-inspect",
+        description=summary,
+        epilog=usage,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--labels", nargs="+", metavar="NAME",
-                        help="one name per checkpoint for tables and figures (default: from each "
-                             "checkpoint's config, e.g. 'QKNorm: LayerNorm, l2 + learned g')")
+    common.add_argument(
+        "--labels",
+        nargs="+",
+        metavar="NAME",
+        help="one name per checkpoint for tables and figures (default: from each "
+        "checkpoint's config, e.g. 'QKNorm: LayerNorm, l2 + learned g')",
+    )
     common.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     model = argparse.ArgumentParser(add_help=False)  # stats and heatmaps: checkpoints side by side, run
     model.add_argument("checkpoint", type=existing("file"), metavar="CKPT", help="fairseq checkpoint")
-    model.add_argument("checkpoint2", type=existing("file"), metavar="CKPT2", nargs="?",
-                       help="a second checkpoint, shown beside the first (e.g. QKNorm beside the baseline)")
+    model.add_argument(
+        "checkpoint2",
+        type=existing("file"),
+        metavar="CKPT2",
+        nargs="?",
+        help="a second checkpoint, shown beside the first (e.g. QKNorm beside the baseline)",
+    )
     model.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is available")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     g = commands.add_parser("g", parents=[common], help="the learned g of every attention module against g0")
     g.add_argument("checkpoints", type=existing("file"), nargs="+", metavar="CKPT", help="fairseq checkpoint(s)")
 
-    stats = commands.add_parser("stats", parents=[common, model],
-                                help="attention entropy, max weight, saturation and logits on a data split")
-    stats.add_argument("--data", type=existing("directory"), required=True, metavar="DATA_BIN",
-                       help="binarized data (fairseq-preprocess output)")
+    stats = commands.add_parser(
+        "stats", parents=[common, model], help="attention entropy, max weight, saturation and logits on a data split"
+    )
+    stats.add_argument(
+        "--data",
+        type=existing("directory"),
+        required=True,
+        metavar="DATA_BIN",
+        help="binarized data (fairseq-preprocess output)",
+    )
     stats.add_argument("--subset", default="valid", help="split of --data (default: valid)")
     stats.add_argument("--max-tokens", type=int, default=4000, help="batch size in tokens (default: 4000)")
 
     heatmaps = commands.add_parser("heatmaps", parents=[common, model], help="attention heatmaps of one sentence")
     heatmaps.add_argument("--sentence", required=True, metavar="TEXT", help="the source sentence")
-    heatmaps.add_argument("--target", metavar="TEXT",
-                          help="its target, for teacher forcing (default: greedy translation by CKPT)")
-    heatmaps.add_argument("--spm", type=existing("file"), required=True, metavar="SPM_MODEL",
-                          help="sentencepiece model that encodes --sentence and --target")
-    heatmaps.add_argument("--data", type=existing("directory"), metavar="DATA_BIN",
-                          help="the dictionaries (default: the data path saved in the checkpoint)")
+    heatmaps.add_argument(
+        "--target", metavar="TEXT", help="its target, for teacher forcing (default: greedy translation by CKPT)"
+    )
+    heatmaps.add_argument(
+        "--spm",
+        type=existing("file"),
+        required=True,
+        metavar="SPM_MODEL",
+        help="sentencepiece model that encodes --sentence and --target",
+    )
+    heatmaps.add_argument(
+        "--data",
+        type=existing("directory"),
+        metavar="DATA_BIN",
+        help="the dictionaries (default: the data path saved in the checkpoint)",
+    )
     heatmaps.add_argument("--png-dir", required=True, metavar="DIR", help="where the PNG figures go")
 
     history = commands.add_parser("g-history", parents=[common], help="plot g over training")
-    history.add_argument("directory", type=existing("directory"), metavar="CKPT_DIR",
-                         help="a --save-dir: plots g of every CKPT_DIR/checkpoint*.pt")
+    history.add_argument(
+        "directory",
+        type=existing("directory"),
+        metavar="CKPT_DIR",
+        help="a --save-dir: plots g of every CKPT_DIR/checkpoint*.pt",
+    )
     history.add_argument("--png-dir", required=True, metavar="DIR", help="where the PNG figure goes")
 
     args = parser.parse_args(argv)
@@ -463,9 +550,11 @@ def main(argv=None):
         for f in result["files"]:
             print(f"wrote {f['path']} ({f['width']}x{f['height']})")
     else:
-        print(f"wrote {result['file']['path']} ({result['file']['width']}x{result['file']['height']}): "
-              f"g of {len(result['g'])} {'heads' if any('head' in k for k in result['g']) else 'modules'} "
-              f"at updates {', '.join(map(str, result['updates']))}")
+        print(
+            f"wrote {result['file']['path']} ({result['file']['width']}x{result['file']['height']}): "
+            f"g of {len(result['g'])} {'heads' if any('head' in k for k in result['g']) else 'modules'} "
+            f"at updates {', '.join(map(str, result['updates']))}"
+        )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ side, one row per layer) and the learned temperature g over training. matplotlib
 extra (`pip install fairseq-qknorm[plot]`); it is imported only here, only when a figure is drawn.
 Figures are drawn without pyplot (no global state, no display needed) and written to a temporary
 name, then renamed, so a PNG on disk is always complete."""
+
 import os
 import sys
 import textwrap
@@ -73,8 +74,9 @@ def attention_heatmaps(path, kind, title, panels):
                 ax.set_axis_off()
                 continue
             panel_title, weights, queries, keys = panel
-            image = ax.imshow(weights.numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto",
-                              interpolation="nearest")
+            image = ax.imshow(
+                weights.numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest"
+            )
             # Wrapped to the panel's width: a longer line would run into the next panel's title.
             ax.set_title(_wrap(panel_title, width), fontsize="medium")
             ax.set_xticks(range(len(keys)), keys, rotation=90, fontsize="small")
@@ -95,19 +97,25 @@ def g_history(path, title, updates, series, g0, reference_range):
 
     layers = 1 + max(layer for _, layer, _ in series.values())
     labelled = set()
-    for label, (kind, layer, values) in series.items():
+    for kind, layer, values in series.values():
         color = colormaps[_KIND_COLORMAP[kind]](0.45 + 0.5 * layer / max(layers - 1, 1))
         legend = f"{kind}, layer {layer}"
-        ax.plot(updates, values, marker="o", markersize=3, color=color,
-                label=None if legend in labelled else legend)  # heads of one module share an entry
+        ax.plot(
+            updates, values, marker="o", markersize=3, color=color, label=None if legend in labelled else legend
+        )  # heads of one module share an entry
         labelled.add(legend)
     if g0 is not None:
         ax.axhline(g0, color="grey", linestyle="--", label=f"g0 = {g0:.2f}")
     # The 10-25 band is drawn for reference without widening the axis to it.
     bottom, top = ax.get_ylim()
     low, high = reference_range
-    ax.axhspan(low, high, color="tab:purple", alpha=0.08,
-               label=f"{low:g}-{high:g}: g of trained QKNorm heads (Bricken & Pehlevan)")
+    ax.axhspan(
+        low,
+        high,
+        color="tab:purple",
+        alpha=0.08,
+        label=f"{low:g}-{high:g}: g of trained QKNorm heads (Bricken & Pehlevan)",
+    )
     ax.set_ylim(bottom, top)
     ax.set_title(_wrap(title, G_HISTORY_INCHES[0]))
     ax.set_xlabel("training updates")

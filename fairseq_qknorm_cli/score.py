@@ -6,6 +6,7 @@ with two or more systems sacrebleu's paired bootstrap resampling test against th
 Calls sacrebleu's Python API directly (fairseq-score --sacrebleu is broken with sacrebleu 2.x) and
 does not import fairseq, so it starts in about half a second. Recipes can import score_systems().
 """
+
 import argparse
 import json
 import os
@@ -103,8 +104,9 @@ def score_systems(ref_path, sys_paths, tokenize="13a", lowercase=False, bootstra
     for path in sys_paths:
         lines = read_lines(path, "system output")
         if len(lines) != len(refs):
-            raise ScoreError(f"line count mismatch: system output {path} has {len(lines)} lines, "
-                             f"--ref {ref_path} has {len(refs)}")
+            raise ScoreError(
+                f"line count mismatch: system output {path} has {len(lines)} lines, --ref {ref_path} has {len(refs)}"
+            )
         hyps.append(lines)
     metrics = make_metrics(tokenize, lowercase)
     names = system_names(sys_paths)
@@ -169,8 +171,10 @@ def format_table(result):
     for key in METRICS:
         rows.append(f"{key}: {result['signatures'][key]}")
     if paired:
-        rows.append(f"paired bootstrap resampling ({result['bootstrap']} resamples, seed {result['seed']}) "
-                    f"against {systems[0]['name']}; * p < 0.05")
+        rows.append(
+            f"paired bootstrap resampling ({result['bootstrap']} resamples, seed {result['seed']}) "
+            f"against {systems[0]['name']}; * p < 0.05"
+        )
     rows.append(f"reference: {result['ref']}")
     return "\n".join(rows)
 
@@ -178,20 +182,35 @@ def format_table(result):
 def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="fairseq-qknorm-score",
-        description="sacrebleu BLEU and chrF of system outputs; paired bootstrap test against the first system.")
+        description="sacrebleu BLEU and chrF of system outputs; paired bootstrap test against the first system.",
+    )
     parser.add_argument("--ref", required=True, help="reference file, one segment per line")
     parser.add_argument("systems", nargs="+", metavar="SYS", help="system output files, aligned with --ref")
-    parser.add_argument("--tokenize", default="13a", choices=sorted(BLEU.TOKENIZERS),
-                        help="sacrebleu BLEU tokenizer (default: %(default)s; 'none' for already tokenized text)")
+    parser.add_argument(
+        "--tokenize",
+        default="13a",
+        choices=sorted(BLEU.TOKENIZERS),
+        help="sacrebleu BLEU tokenizer (default: %(default)s; 'none' for already tokenized text)",
+    )
     parser.add_argument("--lowercase", action="store_true", help="case-insensitive BLEU and chrF")
-    parser.add_argument("--bootstrap", type=int, default=1000,
-                        help="paired bootstrap resamples, with two or more systems (default: %(default)s)")
+    parser.add_argument(
+        "--bootstrap",
+        type=int,
+        default=1000,
+        help="paired bootstrap resamples, with two or more systems (default: %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=12345, help="bootstrap seed, >= 1 (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args(argv)
     try:
-        result = score_systems(args.ref, args.systems, tokenize=args.tokenize, lowercase=args.lowercase,
-                               bootstrap=args.bootstrap, seed=args.seed)
+        result = score_systems(
+            args.ref,
+            args.systems,
+            tokenize=args.tokenize,
+            lowercase=args.lowercase,
+            bootstrap=args.bootstrap,
+            seed=args.seed,
+        )
     except ScoreError as e:
         sys.exit(f"error: {e}")
     print(json.dumps(result, indent=2) if args.json else format_table(result))

@@ -1,5 +1,6 @@
 """spm_train / spm_encode / spm_decode for the recipes: the sentencepiece wheel ships the library
 but not the C++ command-line tools. Flags follow the C++ tools for the options the recipes use."""
+
 import argparse
 import os
 import sys

@@ -6,6 +6,7 @@ verbs at the end of each clause, like a Romance/SOV hybrid. It is learnable in m
 so the pipeline's BLEU, chrF and significance test mean something; it is not a stand-in for TED.
 Writes {train,dev,test}.{src,tgt} in the layout of the real corpora.
 """
+
 import argparse
 import os
 import random
@@ -63,8 +64,11 @@ def _target_order(clause):
     subject, verb, obj, rel = clause
 
     def noun_phrase(phrase):
-        return [w for c, w in phrase if c == "det"] + [w for c, w in phrase if c == "noun"] + [
-            w for c, w in phrase if c == "adj"]
+        return (
+            [w for c, w in phrase if c == "det"]
+            + [w for c, w in phrase if c == "noun"]
+            + [w for c, w in phrase if c == "adj"]
+        )
 
     words = noun_phrase(subject) + noun_phrase(obj) + [verb]
     return words + ([rel[0]] + _target_order(rel[1]) if rel else [])

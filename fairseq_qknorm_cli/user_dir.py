@@ -1,4 +1,5 @@
 """Print the directory to pass to fairseq's --user-dir."""
+
 import importlib.util
 import os
 

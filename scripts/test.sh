@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Set up the environment (.venv, or VENV=DIR; PYTHON=python3.12 for a new one on 3.12) if needed,
-# and run the test suite. Extra arguments go to pytest.
+# check the code with the linter and the formatter (ruff, pyproject.toml), and run the test suite.
+# Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
-exec "${VENV:-.venv}/bin/python" -m pytest -q "$@" tests
+VENV=${VENV:-.venv}
+"$VENV/bin/ruff" check --quiet . || { echo "error: ruff check found the problems above (ruff check --fix fixes some)" >&2; exit 1; }
+"$VENV/bin/ruff" format --check --quiet . || { echo "error: files not formatted as ruff format would (run: $VENV/bin/ruff format .)" >&2; exit 1; }
+exec "$VENV/bin/python" -m pytest -q "$@" tests

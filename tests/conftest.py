@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny generated corpus, its sentencepiece + fairseq-preprocess'ed form, and a
 QKNorm model trained on it through the real fairseq-train CLI (once per test session)."""
+
 import os
 import subprocess
 import sys
@@ -13,24 +14,62 @@ USER_DIR = str(Path(ROOT) / "fairseq_qknorm")
 
 # A model small enough to train in seconds on 2 CPU cores.
 TINY_MODEL = [
-    "--encoder-layers", "2", "--decoder-layers", "2",
-    "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
-    "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
-    "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+    "--encoder-layers",
+    "2",
+    "--decoder-layers",
+    "2",
+    "--encoder-embed-dim",
+    "32",
+    "--decoder-embed-dim",
+    "32",
+    "--encoder-ffn-embed-dim",
+    "64",
+    "--decoder-ffn-embed-dim",
+    "64",
+    "--encoder-attention-heads",
+    "4",
+    "--decoder-attention-heads",
+    "4",
 ]
 TRAIN_FLAGS = [
-    "--optimizer", "adam", "--lr", "0.003", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "20",
-    "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-    "--max-tokens", "1500", "--required-batch-size-multiple", "1", "--cpu", "--seed", "1",
-    "--log-format", "simple", "--log-interval", "5", "--no-epoch-checkpoints", "--num-workers", "0",
+    "--optimizer",
+    "adam",
+    "--lr",
+    "0.003",
+    "--lr-scheduler",
+    "inverse_sqrt",
+    "--warmup-updates",
+    "20",
+    "--criterion",
+    "label_smoothed_cross_entropy",
+    "--label-smoothing",
+    "0.1",
+    "--max-tokens",
+    "1500",
+    "--required-batch-size-multiple",
+    "1",
+    "--cpu",
+    "--seed",
+    "1",
+    "--log-format",
+    "simple",
+    "--log-interval",
+    "5",
+    "--no-epoch-checkpoints",
+    "--num-workers",
+    "0",
 ]
 
 
 def run(cmd, check=True, **kwargs):
     """Run a command; on failure show its output (the test's own assertion message)."""
     cmd = [str(c) for c in cmd]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
-               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))  # experiments/
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
+        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+    )  # experiments/
     # Checkpoints must load with torch's safe unpickler, as users get it: nothing may turn it off.
     for name in ("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_WEIGHTS_ONLY_LOAD"):
         env.pop(name, None)
@@ -61,22 +100,64 @@ def toy_raw(tmp_path_factory):
 def toy_bin(toy_raw, tmp_path_factory):
     """Binarized toy data (joined dictionary) plus the sentencepiece model, in one folder."""
     d = tmp_path_factory.mktemp("toy_bin")
-    run([tool("fairseq-qknorm-spm-train"), "--input", f"{toy_raw}/train.src,{toy_raw}/train.tgt",
-         "--model_prefix", d / "spm", "--vocab_size", "200"])
+    run(
+        [
+            tool("fairseq-qknorm-spm-train"),
+            "--input",
+            f"{toy_raw}/train.src,{toy_raw}/train.tgt",
+            "--model_prefix",
+            d / "spm",
+            "--vocab_size",
+            "200",
+        ]
+    )
     for split in ("train", "dev", "test"):
         for side in ("src", "tgt"):
             out = run([tool("fairseq-qknorm-spm-encode"), "--model", d / "spm.model", toy_raw / f"{split}.{side}"])
             (d / f"{split}.sp.{side}").write_text(out.stdout)
-    run([tool("fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
-         "--trainpref", d / "train.sp", "--validpref", d / "dev.sp", "--testpref", d / "test.sp",
-         "--joined-dictionary", "--destdir", d / "bin", "--workers", "1"])
+    run(
+        [
+            tool("fairseq-preprocess"),
+            "--source-lang",
+            "src",
+            "--target-lang",
+            "tgt",
+            "--trainpref",
+            d / "train.sp",
+            "--validpref",
+            d / "dev.sp",
+            "--testpref",
+            d / "test.sp",
+            "--joined-dictionary",
+            "--destdir",
+            d / "bin",
+            "--workers",
+            "1",
+        ]
+    )
     return d
 
 
 def train(data_bin, save_dir, arch="transformer_qknorm", extra=(), max_update=40, model=TINY_MODEL, cpu=True, **kwargs):
     flags = TRAIN_FLAGS if cpu else [f for f in TRAIN_FLAGS if f != "--cpu"]
-    return run([tool("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--arch", arch, *model,
-                *flags, "--max-update", str(max_update), "--save-dir", save_dir, *extra], **kwargs)
+    return run(
+        [
+            tool("fairseq-train"),
+            data_bin,
+            "--user-dir",
+            USER_DIR,
+            "--arch",
+            arch,
+            *model,
+            *flags,
+            "--max-update",
+            str(max_update),
+            "--save-dir",
+            save_dir,
+            *extra,
+        ],
+        **kwargs,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -84,9 +165,22 @@ def trained(toy_bin, tmp_path_factory):
     """A QKNorm model (the paper's system, tiny) trained for a few dozen updates: (bin dir, ckpt dir)."""
     save = tmp_path_factory.mktemp("ckpt_qknorm")
     # --eval-bleu puts numpy objects in the checkpoint: loading it exercises the whole allow-list.
-    proc = train(toy_bin / "bin", save, arch="transformer_qknorm_paper", max_update=60, extra=[
-        "--eval-bleu", "--eval-bleu-args", '{"beam": 1, "max_len_b": 40}', "--eval-bleu-remove-bpe", "sentencepiece",
-        "--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric"])
+    proc = train(
+        toy_bin / "bin",
+        save,
+        arch="transformer_qknorm_paper",
+        max_update=60,
+        extra=[
+            "--eval-bleu",
+            "--eval-bleu-args",
+            '{"beam": 1, "max_len_b": 40}',
+            "--eval-bleu-remove-bpe",
+            "sentencepiece",
+            "--best-checkpoint-metric",
+            "bleu",
+            "--maximize-best-checkpoint-metric",
+        ],
+    )
     (save / "train.log").write_text(proc.stdout + proc.stderr)
     return toy_bin / "bin", save
 
@@ -105,9 +199,18 @@ def build_model(arch="transformer_qknorm", vocab=40, **overrides):
     for i in range(vocab):
         d.add_symbol(f"w{i}")
     task = argparse.Namespace(source_dictionary=d, target_dictionary=d)
-    small = dict(encoder_layers=2, decoder_layers=2, encoder_embed_dim=32, decoder_embed_dim=32,
-                 encoder_ffn_embed_dim=64, decoder_ffn_embed_dim=64, encoder_attention_heads=4,
-                 decoder_attention_heads=4, dropout=0.0, qk_scale_init=6.0)
+    small = dict(
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_embed_dim=32,
+        decoder_embed_dim=32,
+        encoder_ffn_embed_dim=64,
+        decoder_ffn_embed_dim=64,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        dropout=0.0,
+        qk_scale_init=6.0,
+    )
     # an override of None leaves that setting to the architecture
     args = argparse.Namespace(arch=arch, **{k: v for k, v in {**small, **overrides}.items() if v is not None})
     ARCH_CONFIG_REGISTRY[arch](args)

@@ -1,37 +1,76 @@
-"""Every architecture the plugin registers builds at its own size and trains one update."""
+"""Every translation architecture the plugin registers builds at its own size and trains one
+update; the language-model architectures are registered (tests/test_lm.py trains the tiny one)."""
+
 import pytest
 import torch
-
-import fairseq_qknorm  # noqa: F401
 from conftest import build_model, train
 from fairseq.models import ARCH_MODEL_REGISTRY
+
+import fairseq_qknorm  # noqa: F401
 from fairseq_qknorm.qknorm_attention import QKNormAttention
 from fairseq_qknorm.scale_norm import ScaleNorm
+from fairseq_qknorm.transformer_qknorm import TransformerQKNormModel
 
-ARCHS = sorted(a for a, m in ARCH_MODEL_REGISTRY.items() if m.__module__.startswith("fairseq_qknorm"))
+PLUGIN_ARCHS = sorted(a for a, m in ARCH_MODEL_REGISTRY.items() if m.__module__.startswith("fairseq_qknorm"))
+ARCHS = [a for a in PLUGIN_ARCHS if ARCH_MODEL_REGISTRY[a] is TransformerQKNormModel]
 
 
 def test_the_expected_architectures_are_registered():
-    assert ARCHS == ["transformer_qknorm", "transformer_qknorm_iwslt_de_en", "transformer_qknorm_paper",
-                     "transformer_qknorm_paper_glen", "transformer_scalenorm_paper", "transformer_scalenorm_paper_glen"]
+    assert sorted(set(PLUGIN_ARCHS) - set(ARCHS)) == [
+        "transformer_lm_qknorm",
+        "transformer_lm_qknorm_gpt",
+        "transformer_lm_qknorm_gpt2_tiny",
+    ]
+    assert ARCHS == [
+        "transformer_qknorm",
+        "transformer_qknorm_iwslt_de_en",
+        "transformer_qknorm_paper",
+        "transformer_qknorm_paper_glen",
+        "transformer_scalenorm_paper",
+        "transformer_scalenorm_paper_glen",
+    ]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_trains_one_update_at_its_own_size(arch, toy_bin, tmp_path):
-    proc = train(toy_bin / "bin", tmp_path / "ckpt", arch=arch, model=(), max_update=1,
-                 extra=["--max-tokens", "400", "--no-save", "--disable-validation"])
+    proc = train(
+        toy_bin / "bin",
+        tmp_path / "ckpt",
+        arch=arch,
+        model=(),
+        max_update=1,
+        extra=["--max-tokens", "400", "--no-save", "--disable-validation"],
+    )
     assert "num_updates 1" in proc.stdout + proc.stderr
 
 
 def test_paper_arms_differ_only_in_norm_and_attention():
-    qk, _ = build_model("transformer_qknorm_paper_glen", qk_scale_init=12.0, encoder_embed_dim=512,
-                        decoder_embed_dim=512, encoder_ffn_embed_dim=2048, decoder_ffn_embed_dim=2048,
-                        encoder_layers=None, decoder_layers=None, encoder_attention_heads=None,
-                        decoder_attention_heads=None, dropout=None)
-    base, _ = build_model("transformer_scalenorm_paper_glen", qk_scale_init=12.0, encoder_embed_dim=512,
-                          decoder_embed_dim=512, encoder_ffn_embed_dim=2048, decoder_ffn_embed_dim=2048,
-                          encoder_layers=None, decoder_layers=None, encoder_attention_heads=None,
-                          decoder_attention_heads=None, dropout=None)
+    qk, _ = build_model(
+        "transformer_qknorm_paper_glen",
+        qk_scale_init=12.0,
+        encoder_embed_dim=512,
+        decoder_embed_dim=512,
+        encoder_ffn_embed_dim=2048,
+        decoder_ffn_embed_dim=2048,
+        encoder_layers=None,
+        decoder_layers=None,
+        encoder_attention_heads=None,
+        decoder_attention_heads=None,
+        dropout=None,
+    )
+    base, _ = build_model(
+        "transformer_scalenorm_paper_glen",
+        qk_scale_init=12.0,
+        encoder_embed_dim=512,
+        decoder_embed_dim=512,
+        encoder_ffn_embed_dim=2048,
+        decoder_ffn_embed_dim=2048,
+        encoder_layers=None,
+        decoder_layers=None,
+        encoder_attention_heads=None,
+        decoder_attention_heads=None,
+        dropout=None,
+    )
     for model in (qk, base):
         assert len(model.encoder.layers) == 4 and len(model.decoder.layers) == 4
         assert model.encoder.layers[0].self_attn.num_heads == 4

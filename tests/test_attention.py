@@ -1,21 +1,24 @@
 """QKNormAttention against an explicit reference, against fairseq's MultiheadAttention, and in both
 of its code paths (fused SDPA, plain)."""
+
 import itertools
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from fairseq.modules import MultiheadAttention
 
 import fairseq_qknorm  # noqa: F401  (registers the plugin)
-from fairseq.modules import MultiheadAttention
 from fairseq_qknorm.qknorm_attention import QKNormAttention, ScaledAffineNorm, ScaledUnitNorm
 
 E, H, T, S, B = 32, 4, 6, 7, 3
 D = E // H
 VARIANTS = [
     dict(qk_norm=n, qk_scale=s, qk_scale_init=2.5, qk_scale_per_head=p)
-    for n, s, p in itertools.product(["l2", "layernorm", "rmsnorm", "none"], ["learned", "fixed", "none"], [False, True])
+    for n, s, p in itertools.product(
+        ["l2", "layernorm", "rmsnorm", "none"], ["learned", "fixed", "none"], [False, True]
+    )
     if not (s == "none" and p)
 ]
 
@@ -186,7 +189,9 @@ def values_and_grads(fn, tensors, grad, center):
 def test_scaled_affine_norm_equals_layernorm_or_rmsnorm_times_g(case):
     center, g_shape = case
     x, w, b, g = affine_inputs(center, g_shape)
-    leaves = [t.requires_grad_() for t in (x, w, b, g) if t is not None]
+    for t in (x, w, b, g):
+        if t is not None:
+            t.requires_grad_()
     assert torch.autograd.gradcheck(lambda *a: ScaledAffineNorm.apply(*a, 1e-5, center), (x, w, b, g))
     y = ScaledAffineNorm.apply(x, w, b, g, 1e-5, center)
     assert y.stride() == x.stride()  # attention's output then reshapes for out_proj without a copy
@@ -198,8 +203,10 @@ def test_scaled_affine_norm_equals_layernorm_or_rmsnorm_times_g(case):
 
     # float32: the same values and gradients as the composition, to float32 rounding (of sums over
     # rows, for the weight, bias and g)
-    for a, want in zip(values_and_grads(ScaledAffineNorm.apply, cast(torch.float32), grad, center),
-                       values_and_grads(plain_norm, cast(torch.float32), grad, center)):
+    for a, want in zip(
+        values_and_grads(ScaledAffineNorm.apply, cast(torch.float32), grad, center),
+        values_and_grads(plain_norm, cast(torch.float32), grad, center),
+    ):
         torch.testing.assert_close(a, want, atol=1e-5, rtol=1e-5)
     # bfloat16: ours recovers n(x) from a bfloat16 y, the composition keeps x. Both are as close to
     # the float64 values as bfloat16 allows (its resolution is 2**-8); elementwise they can differ
@@ -207,7 +214,10 @@ def test_scaled_affine_norm_equals_layernorm_or_rmsnorm_times_g(case):
     ours = values_and_grads(ScaledAffineNorm.apply, cast(torch.bfloat16), grad, center)
     plain = values_and_grads(plain_norm, cast(torch.bfloat16), grad, center)
     for a, p, want in zip(ours, plain, exact):
-        error = lambda t: ((t.double() - want).norm() / want.norm()).item()  # noqa: E731
+
+        def error(t, want=want):
+            return ((t.double() - want).norm() / want.norm()).item()
+
         assert error(a) <= max(error(p), 2**-8) * 4, (error(a), error(p))
 
 

@@ -2,6 +2,7 @@
 experiments.check_text on made-up files, then the recipes' data step (examples/common.sh) on
 the same kinds of files and with no network. Then flag values QK-norm cannot mean: refused with one
 line naming the flag, by fairseq's parser or when the model is built."""
+
 import os
 import subprocess
 from pathlib import Path
@@ -42,10 +43,13 @@ def check_fails(tmp_path, edits, capsys=None):
 
 
 def test_blank_pairs_are_dropped_from_train_and_counted(tmp_path, capsys):
-    data = write_corpus(tmp_path / "in", {
-        "train.src": b"a b c\n\nf g h\ni j\n",      # line 2: empty source
-        "train.tgt": b"A B C\nD E\n \t \nI J\n",    # line 3: whitespace-only target
-    })
+    data = write_corpus(
+        tmp_path / "in",
+        {
+            "train.src": b"a b c\n\nf g h\ni j\n",  # line 2: empty source
+            "train.tgt": b"A B C\nD E\n \t \nI J\n",  # line 3: whitespace-only target
+        },
+    )
     check_text.main([str(data), "--src", "src", "--tgt", "tgt", "--out", str(tmp_path / "out")])
     out = tmp_path / "out"
     pairs = list(zip((out / "train.src").read_text().splitlines(), (out / "train.tgt").read_text().splitlines()))
@@ -54,14 +58,21 @@ def test_blank_pairs_are_dropped_from_train_and_counted(tmp_path, capsys):
     assert "train: 2 sentence pairs, 2 dropped (an empty or whitespace-only side: line 2, 3)" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name, data, expected", [
-    ("dev.tgt", b"K L\n   \n", "dev.tgt:2: empty or whitespace-only line in a dev/test set"),
-    ("test.src", b"\nr s t\n", "test.src:1: empty or whitespace-only line in a dev/test set"),
-    ("train.tgt", b"A B C\nD E\nF G H\n", "train.tgt has 3 lines, "),
-    ("test.src", b"p q\nr s t\nu v\n", "test.tgt has 2 lines, "),
-    ("dev.tgt", b"K L\nM \xff N O\n", "dev.tgt:2: not valid UTF-8 (invalid start byte, byte 0xff at byte 3 of the line)"),
-    ("train.src", b"a b c\nd\re\nf g h\ni j\n", "train.src:2: a carriage return (\\r) inside the line"),
-])
+@pytest.mark.parametrize(
+    "name, data, expected",
+    [
+        ("dev.tgt", b"K L\n   \n", "dev.tgt:2: empty or whitespace-only line in a dev/test set"),
+        ("test.src", b"\nr s t\n", "test.src:1: empty or whitespace-only line in a dev/test set"),
+        ("train.tgt", b"A B C\nD E\nF G H\n", "train.tgt has 3 lines, "),
+        ("test.src", b"p q\nr s t\nu v\n", "test.tgt has 2 lines, "),
+        (
+            "dev.tgt",
+            b"K L\nM \xff N O\n",
+            "dev.tgt:2: not valid UTF-8 (invalid start byte, byte 0xff at byte 3 of the line)",
+        ),
+        ("train.src", b"a b c\nd\re\nf g h\ni j\n", "train.src:2: a carriage return (\\r) inside the line"),
+    ],
+)
 def test_bad_text_is_one_clear_error_naming_the_file(tmp_path, name, data, expected):
     message = check_fails(tmp_path, {name: data})
     assert expected in message and str(tmp_path / "in" / name) in message
@@ -76,6 +87,7 @@ def test_line_ends_are_not_mismatches(tmp_path):
 
 
 # --- the recipes' data step --------------------------------------------------------------------
+
 
 def data_step(work, pair="toy", **env):
     """examples/common.sh's data step alone (`step data - get_raw_data`): no fairseq, seconds."""
@@ -101,7 +113,9 @@ def test_recipe_drops_blank_train_pairs_and_stops_on_bad_test_text(tmp_path):
     work = tmp_path / "work2"
     proc = data_step(work, DATA_DIR=str(data))
     assert proc.returncode != 0
-    assert last_line(proc).startswith(f"error: {data}/test.tgt:2: not valid UTF-8 (invalid continuation byte, byte 0xc3")
+    assert last_line(proc).startswith(
+        f"error: {data}/test.tgt:2: not valid UTF-8 (invalid continuation byte, byte 0xc3"
+    )
     # No outputs under the final name and no stamp: the step is redone on the next run.
     assert not (work / "raw").exists() and not (work / "stamps" / "data").exists()
 
@@ -135,11 +149,14 @@ def test_recipe_never_cuts_a_test_set_with_sentences_longer_than_the_model(train
     env = dict(os.environ, WORK=str(work), DEVICE_FLAGS="--cpu --max-source-positions 4 --max-target-positions 4")
     proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, cwd=ROOT)
     assert proc.returncode != 0
-    assert "test sentences longer than the model allows" in last_line(proc) and "max_positions=(4, 4)" in last_line(proc)
+    assert "test sentences longer than the model allows" in last_line(proc) and "max_positions=(4, 4)" in last_line(
+        proc
+    )
     assert "Traceback" not in proc.stderr and not (arm / "test.hyp").exists()
 
 
 # --- flag values the technique cannot mean -----------------------------------------------------
+
 
 def parse_training_flags(capsys, *flags):
     """fairseq-train's own parser, with the plugin's flags, in-process: the error line it ends with."""
@@ -153,16 +170,19 @@ def parse_training_flags(capsys, *flags):
     return capsys.readouterr().err.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("flag, value, expected", [
-    ("--qk-scale-init", "-3", "expected 'auto' or a positive finite number, got '-3'"),
-    ("--qk-scale-init", "0", "expected 'auto' or a positive finite number, got '0'"),
-    ("--qk-scale-init", "nan", "expected 'auto' or a positive finite number, got 'nan'"),
-    ("--qk-scale-init", "inf", "expected 'auto' or a positive finite number, got 'inf'"),
-    ("--qk-scale-init", "twelve", "expected 'auto' or a positive finite number, got 'twelve'"),
-    ("--qk-length-percentile", "nan", "expected a percentile in (0, 100], got 'nan'"),
-    ("--word-dropout", "1", "expected a probability in [0, 1), got '1'"),
-    ("--word-dropout", "-0.1", "expected a probability in [0, 1), got '-0.1'"),
-])
+@pytest.mark.parametrize(
+    "flag, value, expected",
+    [
+        ("--qk-scale-init", "-3", "expected 'auto' or a positive finite number, got '-3'"),
+        ("--qk-scale-init", "0", "expected 'auto' or a positive finite number, got '0'"),
+        ("--qk-scale-init", "nan", "expected 'auto' or a positive finite number, got 'nan'"),
+        ("--qk-scale-init", "inf", "expected 'auto' or a positive finite number, got 'inf'"),
+        ("--qk-scale-init", "twelve", "expected 'auto' or a positive finite number, got 'twelve'"),
+        ("--qk-length-percentile", "nan", "expected a percentile in (0, 100], got 'nan'"),
+        ("--word-dropout", "1", "expected a probability in [0, 1), got '1'"),
+        ("--word-dropout", "-0.1", "expected a probability in [0, 1), got '-0.1'"),
+    ],
+)
 def test_the_parser_refuses_values_the_technique_cannot_mean(capsys, flag, value, expected):
     assert parse_training_flags(capsys, flag, value).endswith(f"error: argument {flag}: {expected}")
 
@@ -172,23 +192,29 @@ def test_the_parser_keeps_values_the_technique_can_mean(capsys):
     from fairseq import options
 
     flags = ["--qk-scale-init", "0.5", "--qk-length-percentile", "100", "--word-dropout", "0"]
-    args = options.parse_args_and_arch(options.get_training_parser(),
-                                       ["DATA", "--user-dir", USER_DIR, "--arch", "transformer_qknorm", *flags])
+    args = options.parse_args_and_arch(
+        options.get_training_parser(), ["DATA", "--user-dir", USER_DIR, "--arch", "transformer_qknorm", *flags]
+    )
     assert (args.qk_scale_init, args.qk_length_percentile, args.word_dropout) == (0.5, 100.0, 0.0)
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    # values that never went through the parser: a hydra config, a saved Namespace
-    (dict(qk_scale_init=-3.0), "--qk-scale-init: expected 'auto' or a positive finite number, got -3.0"),
-    (dict(qk_scale_init=float("inf")), "--qk-scale-init: expected 'auto' or a positive finite number, got inf"),
-    (dict(qk_scale="fixed", qk_scale_init=0.0), "--qk-scale-init: expected 'auto' or a positive finite number"),
-    (dict(word_dropout=1.0), "--word-dropout: expected a probability in [0, 1), got 1.0"),
-    (dict(qk_length_percentile=0.0), "--qk-length-percentile: expected a percentile in (0, 100], got 0.0"),
-    # two flags that together mean nothing
-    (dict(qk_scale_per_head=True, encoder_attention_heads=1, decoder_attention_heads=1),
-     "--qk-scale-per-head: every attention has one head"),
-    (dict(qk_scale_per_head=True, qk_scale="none"), "--qk-scale-per-head: there is no g with --qk-scale none"),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        # values that never went through the parser: a hydra config, a saved Namespace
+        (dict(qk_scale_init=-3.0), "--qk-scale-init: expected 'auto' or a positive finite number, got -3.0"),
+        (dict(qk_scale_init=float("inf")), "--qk-scale-init: expected 'auto' or a positive finite number, got inf"),
+        (dict(qk_scale="fixed", qk_scale_init=0.0), "--qk-scale-init: expected 'auto' or a positive finite number"),
+        (dict(word_dropout=1.0), "--word-dropout: expected a probability in [0, 1), got 1.0"),
+        (dict(qk_length_percentile=0.0), "--qk-length-percentile: expected a percentile in (0, 100], got 0.0"),
+        # two flags that together mean nothing
+        (
+            dict(qk_scale_per_head=True, encoder_attention_heads=1, decoder_attention_heads=1),
+            "--qk-scale-per-head: every attention has one head",
+        ),
+        (dict(qk_scale_per_head=True, qk_scale="none"), "--qk-scale-per-head: there is no g with --qk-scale none"),
+    ],
+)
 def test_building_the_model_refuses_what_the_parser_never_saw(overrides, expected):
     from conftest import build_model
 
@@ -206,13 +232,20 @@ def test_per_head_g_with_one_head_on_one_side_only_is_kept():
     assert model.decoder.layers[0].self_attn.qk_scale.g.shape == (4, 1, 1)
 
 
-@pytest.mark.parametrize("flags, expected", [
-    (["--qk-scale-init", "-3"], "fairseq-train: error: argument --qk-scale-init: expected 'auto' or a positive "
-                                "finite number, got '-3'"),
-    (["--qk-scale-per-head", "--encoder-attention-heads", "1", "--decoder-attention-heads", "1"],
-     "error: --qk-scale-per-head: every attention has one head, so one g per head is one g per module; "
-     "drop --qk-scale-per-head"),
-])
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (
+            ["--qk-scale-init", "-3"],
+            "fairseq-train: error: argument --qk-scale-init: expected 'auto' or a positive finite number, got '-3'",
+        ),
+        (
+            ["--qk-scale-per-head", "--encoder-attention-heads", "1", "--decoder-attention-heads", "1"],
+            "error: --qk-scale-per-head: every attention has one head, so one g per head is one g per module; "
+            "drop --qk-scale-per-head",
+        ),
+    ],
+)
 def test_fairseq_train_ends_with_one_line(toy_bin, tmp_path, flags, expected):
     from conftest import train
 
@@ -232,6 +265,8 @@ def test_a_learned_g_at_or_below_zero_is_logged_once(caplog):
         model.set_num_updates(7)  # what fairseq's task calls before every update
         model.set_num_updates(8)
     warnings = [r.getMessage() for r in caplog.records if "learned g" in r.getMessage()]
-    assert warnings == ["qk-norm: the learned g decoder.layers.1.encoder_attn.qk_scale.g is -0.25 at update 7: "
-                        "g <= 0 turns attention towards the least similar keys (lower the learning rate, or "
-                        "the weight decay on g)"]
+    assert warnings == [
+        "qk-norm: the learned g decoder.layers.1.encoder_attn.qk_scale.g is -0.25 at update 7: "
+        "g <= 0 turns attention towards the least similar keys (lower the learning rate, or "
+        "the weight decay on g)"
+    ]

@@ -1,6 +1,7 @@
 """The benchmark's own logic (benchmarks/): it runs end to end on tiny sizes, its plain QK-norm computes
 what QKNormAttention computes, its arms differ only where they should, and its tables and targets
 follow from the numbers. No timing is asserted."""
+
 import json
 import os
 import subprocess
@@ -24,8 +25,9 @@ ATTENTION_ARMS = ["stock", "qknorm", "qknorm_plain", *VARIANTS[1:]]
 
 
 def bench(*args):
-    return subprocess.run([sys.executable, "-m", "benchmarks.run", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", *map(str, args)], cwd=ROOT, capture_output=True, text=True
+    )
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +43,9 @@ def quick(corpus, tmp_path_factory):
     d = tmp_path_factory.mktemp("bench")
     md = d / "BENCHMARKS.md"
     md.write_text("# Benchmarks\n\nHand-written text that the script must keep.\n")
-    proc = bench("--quick", "--threads", "1", "--lengths-from", corpus, "--results-dir", d / "results",
-                 "--markdown", md)
+    proc = bench(
+        "--quick", "--threads", "1", "--lengths-from", corpus, "--results-dir", d / "results", "--markdown", md
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     (results,) = (d / "results").glob("cpu-quick-*.json")
     return json.loads(results.read_text()), results, md
@@ -58,7 +61,7 @@ def test_quick_run_measures_every_arm(quick):
         # in batches, each with its own baselines: every arm once, the baselines in every batch
         baselines = expected_arms[:2] if name == "generate" else ["stock"]
         assert all(list(g["arms"])[: len(baselines)] == baselines for g in groups[name])
-        assert [a for g in groups[name] for a in g["arms"] if a not in baselines] == expected_arms[len(baselines):]
+        assert [a for g in groups[name] for a in g["arms"] if a not in baselines] == expected_arms[len(baselines) :]
         for arm in (a for g in groups[name] for a in g["arms"].values()):
             values = next(iter(arm["metrics"].values()))
             assert len(values) == result["settings"]["repeats"] == 1 and values[0] > 0
@@ -97,18 +100,25 @@ def test_quick_run_writes_the_tables_between_markers(quick, tmp_path):
 
 
 def test_bad_lengths_file_is_one_clear_error(tmp_path):
-    proc = bench("--quick", "--lengths-from", f"{tmp_path}/missing.src,{tmp_path}/missing.tgt",
-                 "--results-dir", tmp_path / "r")
+    proc = bench(
+        "--quick", "--lengths-from", f"{tmp_path}/missing.src,{tmp_path}/missing.tgt", "--results-dir", tmp_path / "r"
+    )
     assert proc.returncode != 0
-    assert proc.stderr.strip().splitlines() == [f"error: --lengths-from: cannot read {tmp_path}/missing.src: "
-                                                "No such file or directory"]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: --lengths-from: cannot read {tmp_path}/missing.src: No such file or directory"
+    ]
     assert not (tmp_path / "r").exists()
 
 
 def test_no_lengths_file_is_one_clear_error(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "BENCH_LENGTHS_FROM"}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--results-dir", str(tmp_path / "r")],
-                          cwd=ROOT, capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--results-dir", str(tmp_path / "r")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert proc.returncode != 0
     assert "--lengths-from SRC,TGT (or $BENCH_LENGTHS_FROM) is needed" in proc.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "r").exists()
@@ -151,7 +161,9 @@ def test_plain_attention_computes_what_qknorm_computes():
         modules = []
         for cls in (QKNormAttention, PlainQKNormAttention):
             torch.manual_seed(0)
-            modules.append(cls(dim, heads, qk_norm="l2", qk_scale="learned", qk_scale_init=QK_SCALE_INIT, **kind).eval())
+            modules.append(
+                cls(dim, heads, qk_norm="l2", qk_scale="learned", qk_scale_init=QK_SCALE_INIT, **kind).eval()
+            )
         fused, plain = modules
         x, enc = torch.randn(5, 2 * beam, dim), torch.randn(7, 2, dim).repeat_interleave(beam, dim=1)
         pad = torch.zeros(2 * beam, 7, dtype=torch.bool)
@@ -160,8 +172,10 @@ def test_plain_attention_computes_what_qknorm_computes():
         if "self_attention" in kind:
             self_pad = torch.zeros(2 * beam, 5, dtype=torch.bool)
             self_pad[:beam, 3:] = True
-            calls = [dict(query=x, key=x, value=x, key_padding_mask=self_pad, need_weights=False),
-                     dict(query=x, key=x, value=x, attn_mask=causal, need_weights=False)]
+            calls = [
+                dict(query=x, key=x, value=x, key_padding_mask=self_pad, need_weights=False),
+                dict(query=x, key=x, value=x, attn_mask=causal, need_weights=False),
+            ]
         else:
             calls = [dict(query=x, key=enc, value=enc, key_padding_mask=pad, need_weights=False)]
         for call in calls:
@@ -169,24 +183,34 @@ def test_plain_attention_computes_what_qknorm_computes():
         # Incremental decoding: three steps against the cache (beamable cross attention in QKNorm).
         states = [{}, {}]
         fused.set_beam_size(beam)
-        for step in range(3):
+        for _ in range(3):
             y = torch.randn(1, 2 * beam, dim)
-            outs = [m(y, enc if "encoder_decoder_attention" in kind else y,
-                      enc if "encoder_decoder_attention" in kind else y,
-                      key_padding_mask=pad if "encoder_decoder_attention" in kind else None,
-                      incremental_state=s, static_kv="encoder_decoder_attention" in kind, need_weights=False)[0]
-                    for m, s in zip((fused, plain), states)]
+            outs = [
+                m(
+                    y,
+                    enc if "encoder_decoder_attention" in kind else y,
+                    enc if "encoder_decoder_attention" in kind else y,
+                    key_padding_mask=pad if "encoder_decoder_attention" in kind else None,
+                    incremental_state=s,
+                    static_kv="encoder_decoder_attention" in kind,
+                    need_weights=False,
+                )[0]
+                for m, s in zip((fused, plain), states)
+            ]
             torch.testing.assert_close(outs[1], outs[0])
 
 
 def test_arms_differ_only_in_what_they_are_about():
-    from benchmarks.arms import SIZES, build_model
     from fairseq.modules import MultiheadAttention
+
+    from benchmarks.arms import SIZES, build_model
     from fairseq_qknorm.qknorm_attention import QKNormAttention
 
     stock = build_model("stock", SIZES["tiny"], seed=3)[0].state_dict()
-    for arm, extra in (("qknorm", {"qk_scale.g"}), ("qknorm_layernorm_none", {"q_norm.weight", "q_norm.bias",
-                                                                        "k_norm.weight", "k_norm.bias"})):
+    for arm, extra in (
+        ("qknorm", {"qk_scale.g"}),
+        ("qknorm_layernorm_none", {"q_norm.weight", "q_norm.bias", "k_norm.weight", "k_norm.bias"}),
+    ):
         model = build_model(arm, SIZES["tiny"], seed=3)[0]
         attn = [m for m in model.modules() if isinstance(m, MultiheadAttention)]
         assert len(attn) == 3 and all(isinstance(m, QKNormAttention) for m in attn)
@@ -198,19 +222,34 @@ def test_arms_differ_only_in_what_they_are_about():
 
 
 def _fake(wps, peak, activations, plain_ms, fused_ms):
-    arms = {name: {"metrics": {"wps": w, "wps_cpu": w}, "peak_rss_mb": p, "info": {"activations_mb": a}}
-            for name, w, p, a in zip(("stock", "qknorm_rmsnorm_none"), wps, peak, activations)}
-    return [{"benchmark": "train", "size": "glen", "dtype": "fp32", "arms": arms},
-            {"benchmark": "attention", "size": "glen", "dtype": "fp32",
-             "cases": {"self T=64 fwd+bwd": {"stock": fused_ms, "qknorm": fused_ms, "qknorm_plain": plain_ms},
-                       "self T=16 fwd+bwd": {"stock": fused_ms, "qknorm": plain_ms, "qknorm_plain": fused_ms}}}]
+    arms = {
+        name: {"metrics": {"wps": w, "wps_cpu": w}, "peak_rss_mb": p, "info": {"activations_mb": a}}
+        for name, w, p, a in zip(("stock", "qknorm_rmsnorm_none"), wps, peak, activations)
+    }
+    return [
+        {"benchmark": "train", "size": "glen", "dtype": "fp32", "arms": arms},
+        {
+            "benchmark": "attention",
+            "size": "glen",
+            "dtype": "fp32",
+            "cases": {
+                "self T=64 fwd+bwd": {"stock": fused_ms, "qknorm": fused_ms, "qknorm_plain": plain_ms},
+                "self T=16 fwd+bwd": {"stock": fused_ms, "qknorm": plain_ms, "qknorm_plain": fused_ms},
+            },
+        },
+    ]
 
 
 def test_targets_use_the_median_of_the_per_pair_ratios():
     # Rounds drift (a loaded machine): the per-pair ratios are 0.98, 0.98, 0.5 -> median 0.98, while
     # the ratio of the medians would be 50/100 = 0.5.
-    groups = _fake(wps=([100, 50, 100], [98, 49, 50]), peak=(1000, 1040), activations=(10.0, 10.2),
-                   plain_ms=[2, 2, 2], fused_ms=[1, 3, 1])
+    groups = _fake(
+        wps=([100, 50, 100], [98, 49, 50]),
+        peak=(1000, 1040),
+        activations=(10.0, 10.2),
+        plain_ms=[2, 2, 2],
+        fused_ms=[1, 3, 1],
+    )
     checks = {(arm, key[1]): (round(value, 3), ok) for _, arm, key, value, ok in report.targets(groups)}
     assert checks == {
         ("qknorm_rmsnorm_none", "wps"): (0.98, True),
@@ -225,13 +264,26 @@ def test_targets_use_the_median_of_the_per_pair_ratios():
 
 
 def test_generation_targets_include_the_like_for_like_ratio():
-    speed = lambda values: {"metrics": {"sentences_per_s": values}, "peak_rss_mb": 100, "info": {}}
-    arms = {"stock": speed([1.0, 1.0]), "stock_beamable": speed([2.0, 2.0]), "qknorm": speed([1.9, 1.9]),
-            "scalenorm_paper": speed([0.5, 0.5])}  # not a QK-norm: no target
-    checks = {(arm, key[1]): (round(value, 3), ok) for _, arm, key, value, ok in
-              report.targets([{"benchmark": "generate", "size": "small", "dtype": "fp32", "arms": arms}])}
-    assert checks == {("qknorm", "speed"): (1.9, True), ("qknorm", "like for like"): (0.95, False),
-                      ("qknorm", "memory"): (1.0, True)}
+    def speed(values):
+        return {"metrics": {"sentences_per_s": values}, "peak_rss_mb": 100, "info": {}}
+
+    arms = {
+        "stock": speed([1.0, 1.0]),
+        "stock_beamable": speed([2.0, 2.0]),
+        "qknorm": speed([1.9, 1.9]),
+        "scalenorm_paper": speed([0.5, 0.5]),
+    }  # not a QK-norm: no target
+    checks = {
+        (arm, key[1]): (round(value, 3), ok)
+        for _, arm, key, value, ok in report.targets(
+            [{"benchmark": "generate", "size": "small", "dtype": "fp32", "arms": arms}]
+        )
+    }
+    assert checks == {
+        ("qknorm", "speed"): (1.9, True),
+        ("qknorm", "like for like"): (0.95, False),
+        ("qknorm", "memory"): (1.0, True),
+    }
 
 
 def test_update_markdown_replaces_only_its_own_device(tmp_path):

@@ -1,6 +1,7 @@
 """The plugin through fairseq's real command-line tools, in subprocesses, on a generated corpus:
 fairseq-preprocess (fixture), fairseq-train, resume, fairseq-generate, fairseq-interactive, hub
 loading, fairseq-hydra-train; every checkpoint read by torch's safe (weights_only) unpickler."""
+
 import math
 import re
 import shutil
@@ -8,9 +9,9 @@ import textwrap
 
 import numpy as np
 import pytest
+from conftest import TINY_MODEL, USER_DIR, run, tool, train
 
 import fairseq_qknorm  # noqa: F401  (allow-lists fairseq checkpoint classes for torch.load)
-from conftest import TINY_MODEL, USER_DIR, run, tool, train
 
 
 def hypotheses(stdout):
@@ -28,8 +29,16 @@ def test_train_logs_L_and_g0_and_saves_g0(trained):
     # L is the 97.5th percentile (an observed length) of the longer side's subword counts: counted
     # here from the sentencepiece-encoded text the data was binarized from.
     data = trained[0].parent  # toy_bin: bin/ and the encoded train.sp.{src,tgt}
-    percentiles = [int(np.percentile([len(line.split()) for line in (data / f"train.sp.{side}").read_text().splitlines()],
-                                     97.5, method="lower")) for side in ("src", "tgt")]
+    percentiles = [
+        int(
+            np.percentile(
+                [len(line.split()) for line in (data / f"train.sp.{side}").read_text().splitlines()],
+                97.5,
+                method="lower",
+            )
+        )
+        for side in ("src", "tgt")
+    ]
     assert length == max(percentiles)
     ckpt = torch.load(save / "checkpoint_best.pt")  # weights_only=True, torch's default
     assert ckpt["cfg"]["model"].qk_scale_init == pytest.approx(g0, abs=1e-4)
@@ -62,9 +71,25 @@ def test_resume_from_checkpoint_last(trained, tmp_path):
 
 def test_generate_beam4_translates_every_sentence(trained, toy_raw):
     data, save = trained
-    proc = run([tool("fairseq-generate"), data, "--user-dir", USER_DIR, "--path", save / "checkpoint_best.pt",
-                "--beam", "4", "--batch-size", "16", "--required-batch-size-multiple", "1",
-                "--remove-bpe", "sentencepiece", "--cpu"])
+    proc = run(
+        [
+            tool("fairseq-generate"),
+            data,
+            "--user-dir",
+            USER_DIR,
+            "--path",
+            save / "checkpoint_best.pt",
+            "--beam",
+            "4",
+            "--batch-size",
+            "16",
+            "--required-batch-size-multiple",
+            "1",
+            "--remove-bpe",
+            "sentencepiece",
+            "--cpu",
+        ]
+    )
     hyps = hypotheses(proc.stdout)
     n_test = len((toy_raw / "test.src").read_text().splitlines())
     assert sorted(hyps) == list(range(n_test))
@@ -74,9 +99,24 @@ def test_generate_beam4_translates_every_sentence(trained, toy_raw):
 def test_interactive_translates_stdin(trained, toy_bin):
     data, save = trained
     lines = (toy_bin / "test.sp.src").read_text().splitlines()[:3]
-    proc = run([tool("fairseq-interactive"), data, "--user-dir", USER_DIR, "--path", save / "checkpoint_best.pt",
-                "--beam", "4", "--source-lang", "src", "--target-lang", "tgt", "--cpu"],
-               input="\n".join(lines) + "\n")
+    proc = run(
+        [
+            tool("fairseq-interactive"),
+            data,
+            "--user-dir",
+            USER_DIR,
+            "--path",
+            save / "checkpoint_best.pt",
+            "--beam",
+            "4",
+            "--source-lang",
+            "src",
+            "--target-lang",
+            "tgt",
+            "--cpu",
+        ],
+        input="\n".join(lines) + "\n",
+    )
     assert sorted(hypotheses(proc.stdout)) == [0, 1, 2]
 
 
@@ -87,7 +127,7 @@ def test_hub_from_pretrained_translates(trained, toy_bin, toy_raw):
         from fairseq.models.transformer import TransformerModel
         hub = TransformerModel.from_pretrained({str(save)!r}, checkpoint_file="checkpoint_best.pt",
             data_name_or_path={str(data)!r}, user_dir={USER_DIR!r}, bpe="sentencepiece",
-            sentencepiece_model={str(toy_bin / 'spm.model')!r}, source_lang="src", target_lang="tgt")
+            sentencepiece_model={str(toy_bin / "spm.model")!r}, source_lang="src", target_lang="tgt")
         print("OUT:" + hub.translate({sentence!r}, beam=4))
         print("G:" + str(float(hub.models[0].encoder.layers[0].self_attn.qk_scale.g)))
     """)
@@ -99,19 +139,35 @@ def test_hub_from_pretrained_translates(trained, toy_bin, toy_raw):
 
 def test_hydra_train_with_the_shipped_config(toy_bin, tmp_path):
     save = tmp_path / "ckpt"
-    overrides = [f"+model.{flag[2:].replace('-', '_')}={value}" for flag, value in zip(TINY_MODEL[::2], TINY_MODEL[1::2])]
-    proc = run([tool("fairseq-hydra-train"), "--config-dir", f"{USER_DIR}/config", "--config-name", "ted_glen_qknorm",
-                f"task.data={toy_bin / 'bin'}", f"common.user_dir={USER_DIR}", "task.eval_bleu=false",
-                "checkpoint.best_checkpoint_metric=loss", "checkpoint.maximize_best_checkpoint_metric=false",
-                "optimization.max_update=3", f"checkpoint.save_dir={save}", "common.cpu=true",
-                "dataset.num_workers=0", "+model.qk_norm=rmsnorm", *overrides], cwd=tmp_path)  # hydra writes outputs/ in cwd
+    overrides = [
+        f"+model.{flag[2:].replace('-', '_')}={value}" for flag, value in zip(TINY_MODEL[::2], TINY_MODEL[1::2])
+    ]
+    proc = run(
+        [
+            tool("fairseq-hydra-train"),
+            "--config-dir",
+            f"{USER_DIR}/config",
+            "--config-name",
+            "ted_glen_qknorm",
+            f"task.data={toy_bin / 'bin'}",
+            f"common.user_dir={USER_DIR}",
+            "task.eval_bleu=false",
+            "checkpoint.best_checkpoint_metric=loss",
+            "checkpoint.maximize_best_checkpoint_metric=false",
+            "optimization.max_update=3",
+            f"checkpoint.save_dir={save}",
+            "common.cpu=true",
+            "dataset.num_workers=0",
+            "+model.qk_norm=rmsnorm",
+            *overrides,
+        ],
+        cwd=tmp_path,
+    )  # hydra writes outputs/ in cwd
     out = proc.stdout + proc.stderr
     assert "qk-norm: L=" in out and "num_updates 3" in out, out[-3000:]
     import torch
-
 
     ckpt = torch.load(save / "checkpoint_last.pt")
     assert ckpt["cfg"]["model"]["_name"] == "transformer_qknorm_paper_glen"
     assert isinstance(ckpt["cfg"]["model"]["qk_scale_init"], float)
     assert any(k.endswith("self_attn.q_norm.weight") for k in ckpt["model"])  # rmsnorm took effect
-

@@ -6,6 +6,7 @@ a kill), resumes from checkpoint_last.pt through rank 0's broadcast of the check
 records its g values before its first update and after every update (a test-only sitecustomize on
 PYTHONPATH): they must be equal bit for bit across ranks, and equal to the checkpoints' g. The
 command the recipe builds for GPUs (NCCL) is checked without running it."""
+
 import json
 import os
 import re
@@ -16,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run
 
 import fairseq_qknorm  # noqa: F401  (allow-lists fairseq checkpoint classes for torch.load)
-from conftest import run
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = ROOT / ".venv" / "bin"
@@ -28,7 +29,7 @@ UPDATES, RESUMED_UPDATES = 4, 6
 # fairseq.trainer is imported: wraps Trainer.train_step to append, per update, the update count,
 # the ids of the sentences this rank trained on and every qk_scale.g (float.hex: exact) to
 # QK_G_RECORD_DIR/g.rank$RANK.jsonl.
-RECORD_G = '''
+RECORD_G = """
 import importlib.abc
 import importlib.util
 import json
@@ -77,14 +78,22 @@ class _AfterTrainerImport(importlib.abc.MetaPathFinder):
 
 if os.environ.get("QK_G_RECORD_DIR"):
     sys.meta_path.insert(0, _AfterTrainerImport())
-'''
+"""
 
 
 def recipe_env(work, hooks, records):
     python_path = os.pathsep.join(filter(None, [str(hooks), os.environ.get("PYTHONPATH")]))
-    return dict(PRESET="smoke", MAX_UPDATE=str(UPDATES), NPROC="2", DEVICE_FLAGS="--cpu", WORK=str(work),
-                PYTHONPATH=python_path, QK_G_RECORD_DIR=str(records), PATH=f"{VENV_BIN}:{os.environ['PATH']}",
-                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    return dict(
+        PRESET="smoke",
+        MAX_UPDATE=str(UPDATES),
+        NPROC="2",
+        DEVICE_FLAGS="--cpu",
+        WORK=str(work),
+        PYTHONPATH=python_path,
+        QK_G_RECORD_DIR=str(records),
+        PATH=f"{VENV_BIN}:{os.environ['PATH']}",
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +106,16 @@ def distributed(toy_bin, tmp_path_factory):
     (hooks / "sitecustomize.py").write_text(RECORD_G)
     env = recipe_env(work, hooks, records)
     arm = work / "arms" / "qknorm-seed1"
-    trained = run(["bash", "-c", 'source examples/common.sh && set_pair toy && set_preset smoke && setup_work '
-                   '&& train_arm "$WORK/arms/qknorm-seed1" transformer_qknorm_paper'], env=env, cwd=ROOT)
+    trained = run(
+        [
+            "bash",
+            "-c",
+            "source examples/common.sh && set_pair toy && set_preset smoke && setup_work "
+            '&& train_arm "$WORK/arms/qknorm-seed1" transformer_qknorm_paper',
+        ],
+        env=env,
+        cwd=ROOT,
+    )
     g_at_4 = checkpoint_g(arm / "checkpoints" / "checkpoint_last.pt")
 
     # As if killed after update 4 of a 6-update budget: the checkpoints where fairseq-train wrote
@@ -113,8 +130,11 @@ def distributed(toy_bin, tmp_path_factory):
 
 def checkpoint_g(path):
     model = torch.load(path)["model"]  # weights_only=True, torch's default
-    return {name: [float(x).hex() for x in value.flatten().tolist()] for name, value in model.items()
-            if name.endswith("qk_scale.g")}
+    return {
+        name: [float(x).hex() for x in value.flatten().tolist()]
+        for name, value in model.items()
+        if name.endswith("qk_scale.g")
+    }
 
 
 def read_records(records, rank):
@@ -123,10 +143,18 @@ def read_records(records, rank):
 
 def test_recipe_trains_validates_and_saves_with_two_cpu_processes(distributed):
     arm, trained, _, _, _ = distributed
-    command = next(line for line in (arm.parents[1] / "commands.sh").read_text().splitlines() if "fairseq-train" in line)
+    command = next(
+        line for line in (arm.parents[1] / "commands.sh").read_text().splitlines() if "fairseq-train" in line
+    )
     assert command.startswith("torchrun --standalone --nproc-per-node 2 ")
-    for flag in ("--distributed-world-size 2", "--distributed-backend gloo", "--ddp-backend legacy_ddp", "--cpu",
-                 "--user-dir", "--max-tokens 512"):  # the smoke preset's 1,024 tokens per update, over 2 ranks
+    for flag in (
+        "--distributed-world-size 2",
+        "--distributed-backend gloo",
+        "--ddp-backend legacy_ddp",
+        "--cpu",
+        "--user-dir",
+        "--max-tokens 512",
+    ):  # the smoke preset's 1,024 tokens per update, over 2 ranks
         assert flag in command
     log = (arm / "train.log").read_text()
     assert "distributed init (rank 0)" in log and "distributed init (rank 1)" in log
@@ -166,20 +194,22 @@ def test_g_is_identical_across_ranks_after_every_update(distributed):
 
 
 # The command for GPUs, without running it: a fake CUDA device count, fairseq-train not run.
-DRY = '''
+DRY = """
 source examples/common.sh
 set_pair toy; set_preset smoke
 WORK=$1 USER_DIR=/user-dir
 python() { if [[ "$*" == *device_count* ]]; then echo "$GPUS"; else command python "$@"; fi; }
 run_logged() { printf '%s\\n' "$@" > "$WORK/command"; mkdir -p "$dir/checkpoints.tmp"; touch "$dir/checkpoints.tmp/checkpoint_best.pt"; }
 train_arm "$WORK/arm" transformer_scalenorm_paper
-'''
+"""
 
 
 def dry(tmp_path, **env):
     environ = dict(os.environ, PATH=f"{VENV_BIN}:{os.environ['PATH']}", GPUS="4", DEVICE_FLAGS="")
     environ.update(env)
-    proc = subprocess.run(["bash", "-c", DRY, "dry", str(tmp_path)], capture_output=True, text=True, env=environ, cwd=ROOT)
+    proc = subprocess.run(
+        ["bash", "-c", DRY, "dry", str(tmp_path)], capture_output=True, text=True, env=environ, cwd=ROOT
+    )
     command = (tmp_path / "command").read_text().splitlines() if proc.returncode == 0 else None
     return proc, command
 
@@ -203,6 +233,8 @@ def test_one_process_command_is_plain_fairseq_train(tmp_path):
 
 def test_bad_process_counts_fail_with_one_clear_line(tmp_path):
     proc, _ = dry(tmp_path, NPROC="two")
-    assert proc.returncode != 0 and proc.stderr.strip().endswith("error: NPROC=two: expected a number of processes (1 or more)")
+    assert proc.returncode != 0 and proc.stderr.strip().endswith(
+        "error: NPROC=two: expected a number of processes (1 or more)"
+    )
     proc, _ = dry(tmp_path, NPROC="8")
     assert proc.returncode != 0 and "error: NPROC=8: torch sees 4 GPU(s)" in proc.stderr

@@ -3,6 +3,7 @@ gives CTranslate2 the per-token log-probabilities fairseq gives (within 1e-4 in 
 same greedy continuation; int8 runs; per-head g under a norm, translation models and unsafe
 checkpoints are refused with one line. The variants start from one fairseq-train checkpoint of the
 tiny LM, rebuilt with each variant's flags and moved off their initial norm weights and g."""
+
 import math
 
 import numpy as np
@@ -46,8 +47,19 @@ def variant_checkpoint(lm_checkpoint, data, path, heads_equal=False, **variant):
 
 
 def export(checkpoint, data, out, *flags, check=True):
-    return run([tool("fairseq-qknorm-export-ct2"), "--model_path", checkpoint, "--data_dir", data,
-                "--output_dir", out, *flags], check=check)
+    return run(
+        [
+            tool("fairseq-qknorm-export-ct2"),
+            "--model_path",
+            checkpoint,
+            "--data_dir",
+            data,
+            "--output_dir",
+            out,
+            *flags,
+        ],
+        check=check,
+    )
 
 
 def fairseq_model(checkpoint, data):
@@ -78,8 +90,9 @@ def compare(hub, model_dir, data, compute_type="float32"):
         assert theirs.shape == ours.shape
         diff = max(diff, float(np.abs(theirs - ours).max()))
         prompt = tokens[:4]
-        continuation = generator.generate_batch([[d[i] for i in prompt.tolist()]], max_length=12, sampling_topk=1,
-                                                include_prompt_in_result=False)[0].sequences_ids[0]
+        continuation = generator.generate_batch(
+            [[d[i] for i in prompt.tolist()]], max_length=12, sampling_topk=1, include_prompt_in_result=False
+        )[0].sequences_ids[0]
         same_greedy &= continuation == greedy(hub.models[0], prompt, len(continuation), d)
     return diff, same_greedy
 
@@ -90,7 +103,7 @@ def greedy(model, prompt, steps, d):
         for _ in range(steps):
             logits, _ = model(history[None])
             history = torch.cat([history, logits[0, -1].argmax().view(1)])
-    return [t for t in history[len(prompt):].tolist()]
+    return [t for t in history[len(prompt) :].tolist()]
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -98,8 +111,9 @@ def test_exported_model_scores_and_decodes_like_fairseq(lm, lm_bin, tmp_path, na
     save, _ = lm
     checkpoint = save / "checkpoint_best.pt"
     if VARIANTS[name] is not None:
-        checkpoint = variant_checkpoint(checkpoint, lm_bin, tmp_path / "variant.pt",
-                                        heads_equal=name == "l2-perhead-equal", **VARIANTS[name])
+        checkpoint = variant_checkpoint(
+            checkpoint, lm_bin, tmp_path / "variant.pt", heads_equal=name == "l2-perhead-equal", **VARIANTS[name]
+        )
     export(checkpoint, lm_bin, tmp_path / "ct2")
     diff, same_greedy = compare(fairseq_model(checkpoint, lm_bin), tmp_path / "ct2", lm_bin)
     assert diff < 1e-4 and same_greedy, (diff, same_greedy)
@@ -114,13 +128,15 @@ def test_int8_model_runs_close_to_fairseq(lm, lm_bin, tmp_path):  # noqa: F811
 
 def test_per_head_g_under_a_norm_is_refused(lm, lm_bin, tmp_path):  # noqa: F811
     save, _ = lm
-    checkpoint = variant_checkpoint(save / "checkpoint_best.pt", lm_bin, tmp_path / "perhead.pt", qk_norm="l2",
-                                    qk_scale_per_head=True)
+    checkpoint = variant_checkpoint(
+        save / "checkpoint_best.pt", lm_bin, tmp_path / "perhead.pt", qk_norm="l2", qk_scale_per_head=True
+    )
     proc = export(checkpoint, lm_bin, tmp_path / "ct2", check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: --qk-scale-per-head with --qk-norm l2: CTranslate2's q-norm weight is shared by all heads, "
-        "so one g per head has no exact form there")
+        "so one g per head has no exact form there"
+    )
     assert not (tmp_path / "ct2").exists()
 
 
@@ -146,10 +162,13 @@ def test_unsafe_checkpoint_is_refused_and_nothing_runs(lm, lm_bin, tmp_path):  #
     assert_refused(export(tmp_path / "poisoned.pt", lm_bin, tmp_path / "ct2", check=False), marker)
 
 
-@pytest.mark.parametrize("flag, value, message", [
-    ("--model_path", "missing.pt", "error: --model_path {}: no such checkpoint"),
-    ("--data_dir", ".", "error: --data_dir {}: no dict.txt"),
-])
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--model_path", "missing.pt", "error: --model_path {}: no such checkpoint"),
+        ("--data_dir", ".", "error: --data_dir {}: no dict.txt"),
+    ],
+)
 def test_bad_paths_are_one_line(lm, lm_bin, tmp_path, flag, value, message):  # noqa: F811
     save, _ = lm
     paths = {"--model_path": save / "checkpoint_best.pt", "--data_dir": lm_bin}

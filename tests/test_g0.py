@@ -1,17 +1,16 @@
 """g0 = log2(L^2 - L) with L a percentile of the training lengths, read from binarized data."""
+
 import math
 import shutil
 
 import numpy as np
 import pytest
 import torch
+from conftest import train
+from fairseq.data import indexed_dataset
 
 import fairseq_qknorm  # noqa: F401
-from conftest import run, tool, train
-from fairseq.data import indexed_dataset
-from fairseq_qknorm.length_prior import g0_from_data, length_percentile
-from fairseq_qknorm.length_prior import g0_for_length
-from fairseq_qknorm.length_prior import length_from_g0
+from fairseq_qknorm.length_prior import g0_for_length, g0_from_data, length_from_g0, length_percentile
 
 
 def test_paper_value():
@@ -73,8 +72,16 @@ def test_auto_without_a_training_split_is_one_clear_line(toy_bin, tmp_path):
     assert err[-1].startswith("error: --qk-scale-init auto: no training split 'train.src-tgt.src.idx'"), err[-3:]
 
 
-@pytest.mark.parametrize("flag,value", [("--qk-length-percentile", "101"), ("--qk-length-percentile", "0"),
-                                        ("--qk-scale-init", "twelve"), ("--qk-norm", "l1"), ("--norm-type", "rms")])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--qk-length-percentile", "101"),
+        ("--qk-length-percentile", "0"),
+        ("--qk-scale-init", "twelve"),
+        ("--qk-norm", "l1"),
+        ("--norm-type", "rms"),
+    ],
+)
 def test_bad_flag_values_are_refused_by_the_parser(toy_bin, tmp_path, flag, value):
     proc = train(toy_bin / "bin", tmp_path / "ckpt", max_update=1, extra=[flag, value], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr

@@ -1,6 +1,7 @@
 """The gl-en 2x2's bookkeeping (experiments/gl_en_2x2.py) and report (gl_en_2x2_report.py) on
 made-up records: which runs are pending, the effects' algebra, and that the pooled bootstrap scores
 what sacrebleu scores on the concatenated test sets."""
+
 import json
 import random
 
@@ -14,8 +15,12 @@ CELLS = gl_en_2x2.CELLS
 
 
 def test_effects_are_the_2x2_contrasts():
-    score = {("scalenorm", "dot"): 10.0, ("scalenorm", "qknorm"): 12.0,
-             ("layernorm", "dot"): 11.0, ("layernorm", "qknorm"): 16.0}
+    score = {
+        ("scalenorm", "dot"): 10.0,
+        ("scalenorm", "qknorm"): 12.0,
+        ("layernorm", "dot"): 11.0,
+        ("layernorm", "qknorm"): 16.0,
+    }
     e = effects(score)
     assert e["QKNorm"] == pytest.approx(((12 - 10) + (16 - 11)) / 2)
     assert e["LayerNorm"] == pytest.approx(((11 - 10) + (16 - 12)) / 2)
@@ -33,7 +38,12 @@ def make_records(tmp_path, seeds=(1, 2)):
     (data / "test.en").write_text("\n".join(ref) + "\n")
     records = tmp_path / "records"
     records.mkdir()
-    keep = {("scalenorm", "dot"): 0.5, ("scalenorm", "qknorm"): 0.6, ("layernorm", "dot"): 0.55, ("layernorm", "qknorm"): 0.8}
+    keep = {
+        ("scalenorm", "dot"): 0.5,
+        ("scalenorm", "qknorm"): 0.6,
+        ("layernorm", "dot"): 0.55,
+        ("layernorm", "qknorm"): 0.8,
+    }
     runs = []
     for seed in seeds:
         for cell in CELLS:
@@ -42,11 +52,24 @@ def make_records(tmp_path, seeds=(1, 2)):
             name = gl_en_2x2.hyp_name(*cell, seed)
             (records / name).write_text("\n".join(hyp) + "\n")
             bleu = BLEU(tokenize="none", force=True).corpus_score(hyp, [ref]).score
-            runs.append({"norm": cell[0], "attention": cell[1], "seed": seed, "updates": 100, "test_bleu": bleu,
-                         "test_chrf": 50.0 + 10 * keep[cell] + seed, "best_dev_bleu": bleu, "hyp": name,
-                         "dev": [[50, 7.0, 1.0], [100, 6.5, bleu]], "g": {"encoder.layers.0.self_attn": 12.5} if cell[1] == "qknorm" else {},
-                         "L": 79, "g0": 12.59, "train_seconds": 60,
-                         "data_sha1": {"test.en": gl_en_2x2.sha1(data / "test.en")}})
+            runs.append(
+                {
+                    "norm": cell[0],
+                    "attention": cell[1],
+                    "seed": seed,
+                    "updates": 100,
+                    "test_bleu": bleu,
+                    "test_chrf": 50.0 + 10 * keep[cell] + seed,
+                    "best_dev_bleu": bleu,
+                    "hyp": name,
+                    "dev": [[50, 7.0, 1.0], [100, 6.5, bleu]],
+                    "g": {"encoder.layers.0.self_attn": 12.5} if cell[1] == "qknorm" else {},
+                    "L": 79,
+                    "g0": 12.59,
+                    "train_seconds": 60,
+                    "data_sha1": {"test.en": gl_en_2x2.sha1(data / "test.en")},
+                }
+            )
     gl_en_2x2.write_runs(str(records), runs)
     return records, data, ref, runs
 
@@ -56,7 +79,10 @@ def test_pending_lists_the_runs_without_a_record(tmp_path):
     runs = gl_en_2x2.read_runs(str(records))
     gl_en_2x2.write_runs(str(records), [r for r in runs if r["attention"] == "dot"])
     assert gl_en_2x2.pending(str(records), [1, 2]) == [
-        ("scalenorm", "qknorm", 1), ("layernorm", "qknorm", 1), *[(*cell, 2) for cell in CELLS]]
+        ("scalenorm", "qknorm", 1),
+        ("layernorm", "qknorm", 1),
+        *[(*cell, 2) for cell in CELLS],
+    ]
 
 
 def test_pooled_bootstrap_scores_the_concatenated_test_sets(tmp_path):
@@ -65,7 +91,9 @@ def test_pooled_bootstrap_scores_the_concatenated_test_sets(tmp_path):
     boot = pooled_bootstrap(stats, metric)
     pooled = {}
     for cell in CELLS:
-        hyps = [line for seed in (1, 2) for line in (records / gl_en_2x2.hyp_name(*cell, seed)).read_text().splitlines()]
+        hyps = [
+            line for seed in (1, 2) for line in (records / gl_en_2x2.hyp_name(*cell, seed)).read_text().splitlines()
+        ]
         pooled[cell] = BLEU(tokenize="none", force=True).corpus_score(hyps, [ref + ref]).score
     for name, value in effects(pooled).items():
         point, low, high = boot[name]
@@ -93,4 +121,5 @@ def test_report_names_every_cell_and_refuses_other_references(tmp_path):
     with pytest.raises(SystemExit, match="not the reference the runs were scored against"):
         write_report(str(records), str(data))
     assert json.loads((records / "runs.json").read_text()) == sorted(
-        runs, key=lambda r: (r["seed"], CELLS.index((r["norm"], r["attention"]))))
+        runs, key=lambda r: (r["seed"], CELLS.index((r["norm"], r["attention"])))
+    )

@@ -2,6 +2,7 @@
 the checks, the probe, the budget sized from it, the four cells trained side by side, translated,
 scored and recorded in the gl-en 2x2 schema, all packed into at most 8 files that the device tool
 returns; and the budget arithmetic on its own. fairseq being importable, nothing is installed."""
+
 import json
 import os
 import re
@@ -17,14 +18,31 @@ from experiments.gpu_budget import plan, seeds
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "examples" / "ted" / "gl-en-2x2-gpu" / "run.sh"
-SCHEMA = {"norm", "attention", "seed", "updates", "test_bleu", "test_chrf", "best_dev_bleu", "hyp", "dev", "g",
-          "L", "g0", "train_seconds", "preset", "train_command", "data_sha1"}
+SCHEMA = {
+    "norm",
+    "attention",
+    "seed",
+    "updates",
+    "test_bleu",
+    "test_chrf",
+    "best_dev_bleu",
+    "hyp",
+    "dev",
+    "g",
+    "L",
+    "g0",
+    "train_seconds",
+    "preset",
+    "train_command",
+    "data_sha1",
+}
 
 
 def script(*args, **env):
     environ = dict(os.environ, VENV=sys.prefix, **{k: str(v) for k, v in env.items()})
-    return subprocess.run(["bash", str(RUN), *args], capture_output=True, text=True, env=environ, cwd=ROOT,
-                          timeout=3600)
+    return subprocess.run(
+        ["bash", str(RUN), *args], capture_output=True, text=True, env=environ, cwd=ROOT, timeout=3600
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +73,15 @@ def test_out_holds_what_the_device_tool_returns(dry_run):
     out, _, _ = dry_run
     files = sorted(p.name for p in out.iterdir())
     assert all((out / f).is_file() and re.fullmatch(r"[A-Za-z0-9._-]+", f) for f in files) and len(files) <= 8
-    assert {"gl-en-2x2-gpu.tar.gz", "run.log", "budget.json", "summary.md", "mixed-precision.log",
-            "benchmark.log", "benchmark-cpu-quick.json"} <= set(files)
+    assert {
+        "gl-en-2x2-gpu.tar.gz",
+        "run.log",
+        "budget.json",
+        "summary.md",
+        "mixed-precision.log",
+        "benchmark.log",
+        "benchmark-cpu-quick.json",
+    } <= set(files)
     log = (out / "run.log").read_text()
     assert "checks: mixed-precision tests exit 0" in log and "checks: benchmark exit 0" in log
     assert "4 of 4 runs recorded" in log
@@ -108,12 +133,25 @@ def test_bad_input_fails_with_one_line(tmp_path):
     for proc, message in (
         (script("bogus"), "unknown mode 'bogus'"),
         (script("prepare", DATA_DIR=""), "DATA_DIR="),
-        (script(PRECISION="fp8", WORK=tmp_path / "w", OUT=tmp_path / "o", SMOKE=1, DATA_DIR=tmp_path),
-         "PRECISION=fp8"),
+        (script(PRECISION="fp8", WORK=tmp_path / "w", OUT=tmp_path / "o", SMOKE=1, DATA_DIR=tmp_path), "PRECISION=fp8"),
     ):
         assert proc.returncode != 0 and message in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
-    proc = subprocess.run([sys.executable, "-m", "experiments.gpu_budget", "size", str(tmp_path / "none"),
-                           "--deadline", "0", "--out", str(tmp_path / "b.json")], capture_output=True, text=True,
-                          cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.gpu_budget",
+            "size",
+            str(tmp_path / "none"),
+            "--deadline",
+            "0",
+            "--out",
+            str(tmp_path / "b.json"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
-        f"error: {tmp_path / 'none'}/train.log: missing (did the probe's fairseq-train finish?)"]
+        f"error: {tmp_path / 'none'}/train.log: missing (did the probe's fairseq-train finish?)"
+    ]

@@ -1,9 +1,9 @@
 """Incremental decoding (the cache of normalized keys) equals the full forward, step by step, for
 every attention variant; beam reordering of the cache keeps it equal. In float64, so that the
 1e-5 tolerance measures the cache, not float32 rounding of differently shaped matmuls."""
+
 import pytest
 import torch
-
 from conftest import build_model
 
 # Every QK-norm the flags allow (norm x g learned / fixed / none, per module or per head), no norm,
@@ -15,11 +15,13 @@ VARIANTS = {
     for per_head in (False, True)
     if not (scale == "none" and per_head)
 }
-VARIANTS.update({
-    "none": dict(qk_norm="none", qk_scale="none"),
-    "paper": dict(arch="transformer_qknorm_paper", word_dropout=0.0),
-    "baseline": dict(arch="transformer_scalenorm_paper", word_dropout=0.0),
-})
+VARIANTS.update(
+    {
+        "none": dict(qk_norm="none", qk_scale="none"),
+        "paper": dict(arch="transformer_qknorm_paper", word_dropout=0.0),
+        "baseline": dict(arch="transformer_scalenorm_paper", word_dropout=0.0),
+    }
+)
 STEPS, BSZ = 6, 3
 
 

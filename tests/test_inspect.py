@@ -1,6 +1,7 @@
 """fairseq-qknorm-inspect on tiny models trained here: the g it prints are the checkpoint's, its
 attention statistics agree with ones computed independently, its PNGs are real images whose panel
 titles name each system and do not overlap, and bad input gets one clear line."""
+
 import json
 import math
 from argparse import Namespace
@@ -31,8 +32,13 @@ def one_thread():
 def baseline(toy_bin, tmp_path_factory):
     """fairseq's stock transformer (stock MultiheadAttention), a few updates on the same data."""
     save = tmp_path_factory.mktemp("ckpt_stock")
-    train(toy_bin / "bin", save, arch="transformer", extra=["--no-epoch-checkpoints", "--disable-validation"],
-          max_update=3)
+    train(
+        toy_bin / "bin",
+        save,
+        arch="transformer",
+        extra=["--no-epoch-checkpoints", "--disable-validation"],
+        max_update=3,
+    )
     return save / "checkpoint_last.pt"
 
 
@@ -61,8 +67,11 @@ def test_printed_g_are_the_checkpoint_parameters(trained, capsys):
     path = save / "checkpoint_last.pt"
     params = checkpoint_g(path)
     assert len(params) == 6  # TINY_MODEL: 2 encoder self, 2 decoder self, 2 decoder cross
-    side = {"encoder self": "encoder.layers.{}.self_attn", "decoder self": "decoder.layers.{}.self_attn",
-            "decoder cross": "decoder.layers.{}.encoder_attn"}
+    side = {
+        "encoder self": "encoder.layers.{}.self_attn",
+        "decoder self": "decoder.layers.{}.self_attn",
+        "decoder cross": "decoder.layers.{}.encoder_attn",
+    }
 
     (t,) = inspect_json(capsys, "g", path)
     assert t["name"] == QKNORM
@@ -91,9 +100,18 @@ def test_printed_g_are_the_checkpoint_parameters(trained, capsys):
 def test_a_fixed_g_is_reported_as_fixed_not_as_a_length(capsys):
     # --qk-scale fixed --qk-scale-init 1 (the paper's no-g ablation): 1 = log2(L^2 - L) for L = 2, but
     # no length was involved, and there is nothing learned to tabulate
-    t = {"checkpoint": "ckpt.pt", "name": "QKNorm: LayerNorm, l2 + fixed g", "arch": "transformer_qknorm_paper",
-         "num_updates": 300, "qk_norm": "l2", "qk_scale": "fixed", "per_head": False, "g0": 1.0, "L": None,
-         "g": [{"module": "encoder self", "layer": 0, "head": None, "g": 1.0}]}
+    t = {
+        "checkpoint": "ckpt.pt",
+        "name": "QKNorm: LayerNorm, l2 + fixed g",
+        "arch": "transformer_qknorm_paper",
+        "num_updates": 300,
+        "qk_norm": "l2",
+        "qk_scale": "fixed",
+        "per_head": False,
+        "g0": 1.0,
+        "L": None,
+        "g": [{"module": "encoder self", "layer": 0, "head": None, "g": 1.0}],
+    }
     inspect_cli.print_temperatures(t)
     out = capsys.readouterr().out.splitlines()
     assert out[1] == "g = 1.0000 in every module, fixed (--qk-scale fixed --qk-scale-init 1): not learned"
@@ -118,42 +136,63 @@ def test_each_subcommand_refuses_what_it_cannot_use(tmp_path, capsys):
     missing = tmp_path / "nope.pt"
     assert usage_error(capsys, "g", missing) == f"{prog} g: error: argument CKPT: no such file: {missing}"
     assert usage_error(capsys, "stats", ckpt) == f"{prog} stats: error: the following arguments are required: --data"
-    assert usage_error(capsys, "stats", ckpt, "--data", tmp_path / "bin") == \
-        f"{prog} stats: error: argument --data: no such directory: {tmp_path / 'bin'}"
+    assert (
+        usage_error(capsys, "stats", ckpt, "--data", tmp_path / "bin")
+        == f"{prog} stats: error: argument --data: no such directory: {tmp_path / 'bin'}"
+    )
     assert usage_error(capsys, "stats", ckpt, ckpt, ckpt, "--data", tmp_path).startswith(
-        f"{prog}: error: unrecognized arguments: {ckpt}")  # two checkpoints at most, side by side
-    assert usage_error(capsys, "heatmaps", ckpt, "--sentence", "a b", "--png-dir", tmp_path) == \
-        f"{prog} heatmaps: error: the following arguments are required: --spm"
-    assert usage_error(capsys, "heatmaps", ckpt, "--spm", ckpt, "--png-dir", tmp_path) == \
-        f"{prog} heatmaps: error: the following arguments are required: --sentence"
-    assert usage_error(capsys, "g-history", tmp_path) == \
-        f"{prog} g-history: error: the following arguments are required: --png-dir"
+        f"{prog}: error: unrecognized arguments: {ckpt}"
+    )  # two checkpoints at most, side by side
+    assert (
+        usage_error(capsys, "heatmaps", ckpt, "--sentence", "a b", "--png-dir", tmp_path)
+        == f"{prog} heatmaps: error: the following arguments are required: --spm"
+    )
+    assert (
+        usage_error(capsys, "heatmaps", ckpt, "--spm", ckpt, "--png-dir", tmp_path)
+        == f"{prog} heatmaps: error: the following arguments are required: --sentence"
+    )
+    assert (
+        usage_error(capsys, "g-history", tmp_path)
+        == f"{prog} g-history: error: the following arguments are required: --png-dir"
+    )
     assert usage_error(capsys, "g", ckpt, "--labels", "a", "b") == f"{prog} g: error: --labels: 2 given for 1 CKPT"
-    assert usage_error(capsys, "stats", ckpt, ckpt, "--data", tmp_path, "--labels", "baseline") == \
-        f"{prog} stats: error: --labels: 1 given for 2 CKPT"
-    assert usage_error(capsys, "g-history", tmp_path, "--png-dir", tmp_path, "--labels", "a", "b") == \
-        f"{prog} g-history: error: --labels: 2 given for 1 CKPT_DIR"
+    assert (
+        usage_error(capsys, "stats", ckpt, ckpt, "--data", tmp_path, "--labels", "baseline")
+        == f"{prog} stats: error: --labels: 1 given for 2 CKPT"
+    )
+    assert (
+        usage_error(capsys, "g-history", tmp_path, "--png-dir", tmp_path, "--labels", "a", "b")
+        == f"{prog} g-history: error: --labels: 2 given for 1 CKPT_DIR"
+    )
     assert usage_error(capsys, "stats", ckpt, "--data", tmp_path, "--sentence", "a b").endswith(
-        "unrecognized arguments: --sentence a b")  # heatmaps' flag, not stats'
+        "unrecognized arguments: --sentence a b"
+    )  # heatmaps' flag, not stats'
 
 
 def test_system_names_come_from_the_config():
     name = inspect_cli.system_name
     assert name(Namespace(arch="transformer")) == BASELINE  # no qk options at all
-    assert name(Namespace(norm_type="scalenorm", qk_norm="none", qk_scale="none")) == \
-        "baseline: ScaleNorm, scaled dot product"
+    assert (
+        name(Namespace(norm_type="scalenorm", qk_norm="none", qk_scale="none"))
+        == "baseline: ScaleNorm, scaled dot product"
+    )
     assert name(Namespace(norm_type="layernorm", qk_norm="l2", qk_scale="learned")) == QKNORM
-    assert name(Namespace(norm_type="scalenorm", qk_norm="l2", qk_scale="learned", qk_scale_per_head=True)) == \
-        "QKNorm: ScaleNorm, l2 + learned g per head"
+    assert (
+        name(Namespace(norm_type="scalenorm", qk_norm="l2", qk_scale="learned", qk_scale_per_head=True))
+        == "QKNorm: ScaleNorm, l2 + learned g per head"
+    )
     assert name(Namespace(norm_type="layernorm", qk_norm="l2", qk_scale="fixed")) == "QKNorm: LayerNorm, l2 + fixed g"
-    assert name(Namespace(norm_type="layernorm", qk_norm="rmsnorm", qk_scale="none")) == \
-        "QKNorm: LayerNorm, rmsnorm, scaled dot product"
+    assert (
+        name(Namespace(norm_type="layernorm", qk_norm="rmsnorm", qk_scale="none"))
+        == "QKNorm: LayerNorm, rmsnorm, scaled dot product"
+    )
 
 
 def test_paths_are_told_apart_by_the_part_that_differs():
     parts = inspect_cli.distinct_parts
-    assert parts(["w/arms/baseline-seed1/checkpoints/checkpoint_best.pt",
-                  "w/arms/qknorm-seed1/checkpoints/checkpoint_best.pt"]) == ["baseline-seed1", "qknorm-seed1"]
+    assert parts(
+        ["w/arms/baseline-seed1/checkpoints/checkpoint_best.pt", "w/arms/qknorm-seed1/checkpoints/checkpoint_best.pt"]
+    ) == ["baseline-seed1", "qknorm-seed1"]
     assert parts(["run/checkpoint3.pt", "run/checkpoint_best.pt"]) == ["checkpoint3.pt", "checkpoint_best.pt"]
     assert parts(["a/b.pt", "a/x/b.pt"]) == ["b.pt", "x/b.pt"]  # one is not left empty
     assert parts(["/abs/a.pt", "rel/a.pt"]) == ["/abs", "rel"]
@@ -176,12 +215,29 @@ def _head_weights(module, call):
         return w[:, 0]
     # fairseq's stock attention: recompute it with torch's own implementation, per head.
     _, w = F.multi_head_attention_forward(
-        call["query"], call["key"], call["value"], module.embed_dim, module.num_heads, None,
-        torch.cat([module.q_proj.bias, module.k_proj.bias, module.v_proj.bias]), None, None, False, 0.0,
-        module.out_proj.weight, module.out_proj.bias, training=False, key_padding_mask=call.get("key_padding_mask"),
-        need_weights=True, attn_mask=call.get("attn_mask"), use_separate_proj_weight=True,
-        q_proj_weight=module.q_proj.weight, k_proj_weight=module.k_proj.weight, v_proj_weight=module.v_proj.weight,
-        average_attn_weights=False)
+        call["query"],
+        call["key"],
+        call["value"],
+        module.embed_dim,
+        module.num_heads,
+        None,
+        torch.cat([module.q_proj.bias, module.k_proj.bias, module.v_proj.bias]),
+        None,
+        None,
+        False,
+        0.0,
+        module.out_proj.weight,
+        module.out_proj.bias,
+        training=False,
+        key_padding_mask=call.get("key_padding_mask"),
+        need_weights=True,
+        attn_mask=call.get("attn_mask"),
+        use_separate_proj_weight=True,
+        q_proj_weight=module.q_proj.weight,
+        k_proj_weight=module.k_proj.weight,
+        v_proj_weight=module.v_proj.weight,
+        average_attn_weights=False,
+    )
     return w[0]
 
 
@@ -202,8 +258,12 @@ def independent_stats(path, data):
         src, tgt = dataset[i]["source"], dataset[i]["target"]
         prev = torch.cat([torch.tensor([eos]), tgt[:-1]])
         calls = {}
-        hooks = [m.register_forward_pre_hook(lambda m, a, kw, where=w, calls=calls: calls.__setitem__(where, kw),
-                                             with_kwargs=True) for w, m in modules.items()]
+        hooks = [
+            m.register_forward_pre_hook(
+                lambda m, a, kw, where=w, calls=calls: calls.__setitem__(where, kw), with_kwargs=True
+            )
+            for w, m in modules.items()
+        ]
         with torch.no_grad():
             model(src[None], torch.tensor([len(src)]), prev[None])
             for h in hooks:
@@ -217,8 +277,10 @@ def independent_stats(path, data):
                 s[1] += float(-(w * w.clamp_min(1e-300).log()).sum())
                 s[2] += float(w.max(dim=-1).values.sum())
                 s[3] += int((w.max(dim=-1).values > 0.9).sum())
-    return {where: {"rows": r, "entropy": e / r, "max_weight": m / r, "saturated": n / r}
-            for where, (r, e, m, n) in sums.items()}, len(dataset)
+    return {
+        where: {"rows": r, "entropy": e / r, "max_weight": m / r, "saturated": n / r}
+        for where, (r, e, m, n) in sums.items()
+    }, len(dataset)
 
 
 def test_attention_statistics_match_independent_computation(trained, baseline, capsys):
@@ -251,10 +313,22 @@ def test_attention_statistics_match_independent_computation(trained, baseline, c
     assert f"[2] {QKNORM} ({qknorm}, transformer_qknorm_paper)" in text.splitlines()
     table = [line.split() for line in text.splitlines()]
     for base, qk in zip(*(c["modules"] for c in report["checkpoints"])):  # side by side, one row each
-        assert [*base["module"].split(), str(base["layer"]), f"{base['entropy']:.3f}", f"{base['max_weight']:.3f}",
-                f"{100 * base['saturated']:.1f}%", f"{base['logit_min']:.2f}", "..", f"{base['logit_max']:.2f}",
-                f"{qk['entropy']:.3f}", f"{qk['max_weight']:.3f}", f"{100 * qk['saturated']:.1f}%",
-                f"{qk['logit_min']:.2f}", "..", f"{qk['logit_max']:.2f}"] in table
+        assert [
+            *base["module"].split(),
+            str(base["layer"]),
+            f"{base['entropy']:.3f}",
+            f"{base['max_weight']:.3f}",
+            f"{100 * base['saturated']:.1f}%",
+            f"{base['logit_min']:.2f}",
+            "..",
+            f"{base['logit_max']:.2f}",
+            f"{qk['entropy']:.3f}",
+            f"{qk['max_weight']:.3f}",
+            f"{100 * qk['saturated']:.1f}%",
+            f"{qk['logit_min']:.2f}",
+            "..",
+            f"{qk['logit_max']:.2f}",
+        ] in table
 
 
 def _png_size(path):
@@ -283,8 +357,9 @@ def _titles(fig):
     return boxes
 
 
-def test_heatmaps_name_each_system_and_are_valid_pngs(trained, baseline, toy_bin, toy_raw, tmp_path, capsys,
-                                                      monkeypatch):
+def test_heatmaps_name_each_system_and_are_valid_pngs(
+    trained, baseline, toy_bin, toy_raw, tmp_path, capsys, monkeypatch
+):
     _, save = trained
     qknorm = save / "checkpoint_last.pt"
     figures = []
@@ -301,22 +376,38 @@ def test_heatmaps_name_each_system_and_are_valid_pngs(trained, baseline, toy_bin
     queries = {"encoder self": n_src, "decoder self": n_tgt, "decoder cross": n_tgt}
     keys = {"encoder self": n_src, "decoder self": n_tgt, "decoder cross": n_src}
     for f in result["files"]:
-        expected = (round(2 * plots.panel_inches(keys[f["module"]]) * plots.DPI),
-                    round(layers * plots.panel_inches(queries[f["module"]]) * plots.DPI))
+        expected = (
+            round(2 * plots.panel_inches(keys[f["module"]]) * plots.DPI),
+            round(layers * plots.panel_inches(queries[f["module"]]) * plots.DPI),
+        )
         assert _png_size(f["path"]) == expected == (f["width"], f["height"])
     assert not list((tmp_path / "png").glob("*.tmp"))
     # Each panel: the system's name, then the part of its path that differs, then the layer.
     for fig in figures:
         titles = [" ".join(t.split()) for t in _titles(fig)]
-        assert titles == [f"{name} {path.parent.name} layer {layer}" for layer in range(layers)
-                          for name, path in ((BASELINE, baseline), (QKNORM, qknorm))]
+        assert titles == [
+            f"{name} {path.parent.name} layer {layer}"
+            for layer in range(layers)
+            for name, path in ((BASELINE, baseline), (QKNORM, qknorm))
+        ]
 
     figures.clear()
-    result = inspect_json(capsys, *heatmaps, "--target", result["target"], "--png-dir", tmp_path / "named",
-                          "--labels", "stock", "paper system")
+    result = inspect_json(
+        capsys,
+        *heatmaps,
+        "--target",
+        result["target"],
+        "--png-dir",
+        tmp_path / "named",
+        "--labels",
+        "stock",
+        "paper system",
+    )
     assert result["names"] == ["stock", "paper system"] and result["target_from"] == "given"
-    assert [" ".join(t.split()) for t in _titles(figures[0])][:2] == [f"stock {baseline.parent.name} layer 0",
-                                                                      f"paper system {qknorm.parent.name} layer 0"]
+    assert [" ".join(t.split()) for t in _titles(figures[0])][:2] == [
+        f"stock {baseline.parent.name} layer 0",
+        f"paper system {qknorm.parent.name} layer 0",
+    ]
 
 
 def test_g_history_is_a_valid_png(trained, tmp_path, capsys):

@@ -6,6 +6,7 @@ rerun must start from the last complete checkpoint_last.pt, lose at most one sav
 epoch, in the recipes), never leave a truncated checkpoint under a final name, and finish. The
 resumed weights are not those of the uninterrupted run, bit for bit (measured, even with
 --update-epoch-batch-itr True; examples/interrupt/RESULTS.md), so they are not compared."""
+
 import os
 import re
 import subprocess
@@ -22,17 +23,28 @@ KILL_AFTER = 26  # updates after the (fresh) start of attempt 2: early in epoch 
 @pytest.fixture(scope="module")
 def experiment(toy_raw, tmp_path_factory):
     work = tmp_path_factory.mktemp("interrupt_work")
-    env = dict(os.environ, PRESET="smoke", MAX_UPDATE=str(MAX_UPDATE), KILL_AFTER=str(KILL_AFTER), WORK=str(work),
-               DATA_DIR=str(toy_raw), DEVICE_FLAGS="--cpu", EXTRA_TRAIN_FLAGS="--update-epoch-batch-itr True",
-               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-    proc = subprocess.run(["bash", ROOT / "examples" / "interrupt" / "run.sh"], capture_output=True, text=True,
-                          env=env, cwd=ROOT)
+    env = dict(
+        os.environ,
+        PRESET="smoke",
+        MAX_UPDATE=str(MAX_UPDATE),
+        KILL_AFTER=str(KILL_AFTER),
+        WORK=str(work),
+        DATA_DIR=str(toy_raw),
+        DEVICE_FLAGS="--cpu",
+        EXTRA_TRAIN_FLAGS="--update-epoch-batch-itr True",
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
+    )
+    proc = subprocess.run(
+        ["bash", ROOT / "examples" / "interrupt" / "run.sh"], capture_output=True, text=True, env=env, cwd=ROOT
+    )
     assert proc.returncode == 0, f"run.sh failed ({proc.returncode})\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return work
 
 
 def attempt(work, n):
-    return int((work / "attempts" / "seed1" / f"{n}.rc").read_text()), (work / "attempts" / "seed1" / f"{n}.log").read_text()
+    return int((work / "attempts" / "seed1" / f"{n}.rc").read_text()), (
+        work / "attempts" / "seed1" / f"{n}.log"
+    ).read_text()
 
 
 def updates_logged(log):
@@ -92,7 +104,9 @@ def test_kill_during_checkpoint_copy_leaves_no_truncated_checkpoint(experiment):
     rc, log = attempt(experiment, 1)
     assert rc != 0
     # killed after checkpoint_best.pt was written, while it was being copied to checkpoint_last.pt
-    assert "| Finished saving checkpoint to " in last_fairseq_line(log) and last_fairseq_line(log).endswith("checkpoint_best.pt")
+    assert "| Finished saving checkpoint to " in last_fairseq_line(log) and last_fairseq_line(log).endswith(
+        "checkpoint_best.pt"
+    )
     files = files_after(experiment, 1)
     assert files["checkpoints.tmp/checkpoint_best.pt"] == "complete"
     assert "truncated" in files.values()  # the half-written copy, under a temporary name only
@@ -133,6 +147,8 @@ def test_rerun_finishes_at_the_same_update_as_the_uninterrupted_run(experiment):
     final_names_complete(experiment)
 
     def last_validation(arm):
-        return re.findall(r"valid on 'valid' subset .*?\| bleu ([\d.]+) .*?\| num_updates (\d+)", (arm / "train.log").read_text())[-1]
+        return re.findall(
+            r"valid on 'valid' subset .*?\| bleu ([\d.]+) .*?\| num_updates (\d+)", (arm / "train.log").read_text()
+        )[-1]
 
     assert last_validation(arms["interrupted"])[1] == last_validation(arms["uninterrupted"])[1] == str(MAX_UPDATE)

@@ -3,6 +3,7 @@ each --sample-break-mode (and the L that `auto` takes from its samples), fairseq
 fairseq-interactive and the hub (sampling and beam search), step-by-step decoding against the full
 forward, --cpu --bf16, two processes over gloo, safe loading and fairseq-qknorm-inspect. The model
 is fairseq's transformer_lm_gpt2_tiny with 4 heads, trained for seconds on the toy corpus."""
+
 import json
 import math
 import os
@@ -19,25 +20,80 @@ import fairseq_qknorm  # noqa: F401  (registers the model; allow-lists checkpoin
 ARCH = "transformer_lm_qknorm_gpt2_tiny"
 TOKENS_PER_SAMPLE = 48
 LM_FLAGS = [
-    "--task", "language_modeling", "--user-dir", USER_DIR, "--decoder-attention-heads", "4",
-    "--tokens-per-sample", str(TOKENS_PER_SAMPLE), "--dropout", "0", "--attention-dropout", "0",
-    "--optimizer", "adam", "--lr", "0.003", "--max-tokens", "1024", "--required-batch-size-multiple", "1",
-    "--cpu", "--seed", "1", "--log-format", "simple", "--log-interval", "5", "--no-epoch-checkpoints",
-    "--num-workers", "0",
+    "--task",
+    "language_modeling",
+    "--user-dir",
+    USER_DIR,
+    "--decoder-attention-heads",
+    "4",
+    "--tokens-per-sample",
+    str(TOKENS_PER_SAMPLE),
+    "--dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--optimizer",
+    "adam",
+    "--lr",
+    "0.003",
+    "--max-tokens",
+    "1024",
+    "--required-batch-size-multiple",
+    "1",
+    "--cpu",
+    "--seed",
+    "1",
+    "--log-format",
+    "simple",
+    "--log-interval",
+    "5",
+    "--no-epoch-checkpoints",
+    "--num-workers",
+    "0",
 ]
 
 
 def train_lm(data, save, *extra, arch=ARCH, updates=4, break_mode="eos", launcher=(), **kwargs):
-    return run([*launcher, tool("fairseq-train"), data, "--arch", arch, *LM_FLAGS, "--sample-break-mode", break_mode,
-                "--max-update", str(updates), "--save-dir", save, *extra], **kwargs)
+    return run(
+        [
+            *launcher,
+            tool("fairseq-train"),
+            data,
+            "--arch",
+            arch,
+            *LM_FLAGS,
+            "--sample-break-mode",
+            break_mode,
+            "--max-update",
+            str(updates),
+            "--save-dir",
+            save,
+            *extra,
+        ],
+        **kwargs,
+    )
 
 
 @pytest.fixture(scope="module")
 def lm_bin(toy_raw, tmp_path_factory):
     """The toy corpus's target side as a monolingual corpus, binarized (one dictionary)."""
     d = tmp_path_factory.mktemp("lm_bin")
-    run([tool("fairseq-preprocess"), "--only-source", "--trainpref", toy_raw / "train.tgt", "--validpref",
-         toy_raw / "dev.tgt", "--testpref", toy_raw / "test.tgt", "--destdir", d, "--workers", "1"])
+    run(
+        [
+            tool("fairseq-preprocess"),
+            "--only-source",
+            "--trainpref",
+            toy_raw / "train.tgt",
+            "--validpref",
+            toy_raw / "dev.tgt",
+            "--testpref",
+            toy_raw / "test.tgt",
+            "--destdir",
+            d,
+            "--workers",
+            "1",
+        ]
+    )
     return d
 
 
@@ -118,8 +174,23 @@ def test_training_learns_and_the_checkpoint_holds_one_g_per_layer(lm):
 def test_eval_lm_perplexity_equals_the_validation_perplexity(lm, lm_bin):
     save, log = lm
     best = min(float(m) for m in re.findall(r"valid on 'valid' subset \| loss [\d.]+ \| ppl ([\d.]+)", log))
-    out = run([tool("fairseq-eval-lm"), lm_bin, "--user-dir", USER_DIR, "--path", save / "checkpoint_best.pt",
-               "--cpu", "--sample-break-mode", "eos", "--gen-subset", "valid", "--max-tokens", "1024"])
+    out = run(
+        [
+            tool("fairseq-eval-lm"),
+            lm_bin,
+            "--user-dir",
+            USER_DIR,
+            "--path",
+            save / "checkpoint_best.pt",
+            "--cpu",
+            "--sample-break-mode",
+            "eos",
+            "--gen-subset",
+            "valid",
+            "--max-tokens",
+            "1024",
+        ]
+    )
     ppl = float(re.search(r"Perplexity: ([\d.]+)", out.stdout + out.stderr).group(1))
     assert ppl == pytest.approx(best, abs=0.01)
 
@@ -128,8 +199,23 @@ def test_eval_lm_perplexity_equals_the_validation_perplexity(lm, lm_bin):
 def test_interactive_continues_prompts(lm, lm_bin, toy_raw, flags):
     save, _ = lm
     prompts = [" ".join(line.split()[:3]) for line in (toy_raw / "test.tgt").read_text().splitlines()[:3]]
-    out = run([tool("fairseq-interactive"), lm_bin, "--task", "language_modeling", "--user-dir", USER_DIR,
-               "--path", save / "checkpoint_best.pt", "--cpu", "--seed", "2", *flags], input="\n".join(prompts) + "\n")
+    out = run(
+        [
+            tool("fairseq-interactive"),
+            lm_bin,
+            "--task",
+            "language_modeling",
+            "--user-dir",
+            USER_DIR,
+            "--path",
+            save / "checkpoint_best.pt",
+            "--cpu",
+            "--seed",
+            "2",
+            *flags,
+        ],
+        input="\n".join(prompts) + "\n",
+    )
     hyps = [line.split("\t")[2] for line in out.stdout.splitlines() if line.startswith("H-")]
     assert len(hyps) == len(prompts)
     for prompt, hyp in zip(prompts, hyps):
@@ -141,8 +227,9 @@ def hub(lm, lm_bin):
     from fairseq.models.transformer_lm import TransformerLanguageModel
 
     save, _ = lm
-    return TransformerLanguageModel.from_pretrained(str(save), "checkpoint_best.pt", data_name_or_path=str(lm_bin),
-                                                    user_dir=USER_DIR).eval()
+    return TransformerLanguageModel.from_pretrained(
+        str(save), "checkpoint_best.pt", data_name_or_path=str(lm_bin), user_dir=USER_DIR
+    ).eval()
 
 
 def test_hub_greedy_search_is_the_argmax_of_the_full_forward(hub, toy_raw):
@@ -229,13 +316,38 @@ def test_two_processes_over_gloo_keep_g_identical(lm_bin, tmp_path):
     hooks, records = tmp_path / "hooks", tmp_path / "records"
     hooks.mkdir(), records.mkdir()
     (hooks / "sitecustomize.py").write_text(RECORD_G)
-    launcher = [tool("torchrun"), "--standalone", "--nproc-per-node", "2", "--no-python",
-                "sh", "-c", 'exec "$0" "$@" --distributed-rank "$RANK"']
-    env = dict(PYTHONPATH=os.pathsep.join(filter(None, [str(hooks), os.environ.get("PYTHONPATH")])),
-               QK_G_RECORD_DIR=str(records), OMP_NUM_THREADS="1")
-    proc = train_lm(lm_bin, tmp_path / "ckpt", "--distributed-world-size", "2", "--distributed-init-method", "env://",
-                    "--distributed-no-spawn", "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp",
-                    "--disable-validation", updates=3, launcher=launcher, env=env)
+    launcher = [
+        tool("torchrun"),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--no-python",
+        "sh",
+        "-c",
+        'exec "$0" "$@" --distributed-rank "$RANK"',
+    ]
+    env = dict(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(hooks), os.environ.get("PYTHONPATH")])),
+        QK_G_RECORD_DIR=str(records),
+        OMP_NUM_THREADS="1",
+    )
+    proc = train_lm(
+        lm_bin,
+        tmp_path / "ckpt",
+        "--distributed-world-size",
+        "2",
+        "--distributed-init-method",
+        "env://",
+        "--distributed-no-spawn",
+        "--distributed-backend",
+        "gloo",
+        "--ddp-backend",
+        "legacy_ddp",
+        "--disable-validation",
+        updates=3,
+        launcher=launcher,
+        env=env,
+    )
     assert "training on 2 devices" in proc.stdout + proc.stderr
     rank0, rank1 = read_records(records, 0), read_records(records, 1)
     assert [r["update"] for r in rank0] == [0, 1, 2, 3] == [r["update"] for r in rank1]
@@ -252,8 +364,22 @@ def test_a_poisoned_lm_checkpoint_is_refused(lm, lm_bin, tmp_path):
     marker = tmp_path / "PWNED"
     state["extra_state"]["payload"] = RunsACommand(marker)
     torch.save(state, tmp_path / "poisoned.pt")
-    proc = run([tool("fairseq-eval-lm"), lm_bin, "--user-dir", USER_DIR, "--path", tmp_path / "poisoned.pt", "--cpu",
-                "--gen-subset", "valid", "--max-tokens", "1024"], check=False)
+    proc = run(
+        [
+            tool("fairseq-eval-lm"),
+            lm_bin,
+            "--user-dir",
+            USER_DIR,
+            "--path",
+            tmp_path / "poisoned.pt",
+            "--cpu",
+            "--gen-subset",
+            "valid",
+            "--max-tokens",
+            "1024",
+        ],
+        check=False,
+    )
     assert_refused(proc, marker)
 
 

@@ -1,6 +1,7 @@
 """The learning-rate sweep (experiments.lr_sweep): its divergence rule, and one tiny sweep
 through the real command line (3 arms x 2 learning rates x 5 updates): what results.json holds,
 that QKNorm's logits stay within g, the figures, reuse of finished runs, and bad input."""
+
 import json
 import math
 import sys
@@ -9,12 +10,25 @@ import numpy as np
 import pytest
 from conftest import run
 
-from fairseq_qknorm.length_prior import g0_for_length
 from experiments.lr_sweep import WINDOW, divergence, loss_summary, seed_table
+from fairseq_qknorm.length_prior import g0_for_length
 
 SWEEP = [sys.executable, "-m", "experiments.lr_sweep"]
-TINY = ["--lrs", "1e-3", "3e-3", "--updates", "5", "--warmup-updates", "2", "--stats-interval", "2",
-        "--seeds", "1", "--threads", "1"]
+TINY = [
+    "--lrs",
+    "1e-3",
+    "3e-3",
+    "--updates",
+    "5",
+    "--warmup-updates",
+    "2",
+    "--stats-interval",
+    "2",
+    "--seeds",
+    "1",
+    "--threads",
+    "1",
+]
 MODULES = ["encoder self 0", "encoder self 1", "decoder self 0", "decoder self 1", "decoder cross 0", "decoder cross 1"]
 
 
@@ -41,16 +55,27 @@ def test_divergence_rule_flags_non_finite_and_rising_losses():
 def test_seed_table_gives_each_arm_and_rate_its_mean_range_and_divergences():
     def fake_run(arm, lr, seed, final, diverged=None, logit=5.0):
         stats = [{"max_logit": {"m": logit}, "min_entropy": {"m": 0.1 * seed}, "g": {}}]
-        return {"arm": arm, "lr": lr, "seed": seed, "loss": [9.0] * WINDOW + [final] * WINDOW,
-                "diverged": diverged, "stats": stats}
+        return {
+            "arm": arm,
+            "lr": lr,
+            "seed": seed,
+            "loss": [9.0] * WINDOW + [final] * WINDOW,
+            "diverged": diverged,
+            "stats": stats,
+        }
 
-    runs = [fake_run("qknorm", 0.01, 1, 2.0), fake_run("qknorm", 0.01, 2, 3.0, logit=9.0),
-            fake_run("qknorm", 0.01, 3, 4.0, diverged="loss above its start"),
-            fake_run("stock", 0.01, 1, float("nan"), diverged="non-finite loss at update 3", logit=float("inf")),
-            fake_run("stock", 0.01, 2, 5.0)]
+    runs = [
+        fake_run("qknorm", 0.01, 1, 2.0),
+        fake_run("qknorm", 0.01, 2, 3.0, logit=9.0),
+        fake_run("qknorm", 0.01, 3, 4.0, diverged="loss above its start"),
+        fake_run("stock", 0.01, 1, float("nan"), diverged="non-finite loss at update 3", logit=float("inf")),
+        fake_run("stock", 0.01, 2, 5.0),
+    ]
     rows = seed_table(runs).splitlines()[2:]
-    assert rows == ["| stock | 0.01 | 2 | 5.000 (5.000..5.000) | 1 | 5.00 | 0.100 |",  # the NaN run: counted, not averaged
-                    "| qknorm | 0.01 | 3 | 3.000 (2.000..4.000) | 1 | 9.00 | 0.100 |"]
+    assert rows == [
+        "| stock | 0.01 | 2 | 5.000 (5.000..5.000) | 1 | 5.00 | 0.100 |",  # the NaN run: counted, not averaged
+        "| qknorm | 0.01 | 3 | 3.000 (2.000..4.000) | 1 | 9.00 | 0.100 |",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +88,8 @@ def sweep(tmp_path_factory):
 def test_results_json_records_every_run(sweep):
     _, _, proc, results = sweep
     assert {(r["arm"], r["lr"]) for r in results["runs"]} == {
-        (arm, lr) for arm in ("stock", "qknorm", "qk_layernorm") for lr in (1e-3, 3e-3)}
+        (arm, lr) for arm in ("stock", "qknorm", "qk_layernorm") for lr in (1e-3, 3e-3)
+    }
     assert results["settings"]["updates"] == 5 and results["machine"]["torch"]
     for r in results["runs"]:
         assert r["seed"] == 1 and r["diverged"] is None
@@ -83,6 +109,7 @@ def test_results_json_records_every_run(sweep):
 
 def test_g_is_recorded_for_qknorm_only(sweep):
     work, _, _, results = sweep
+
     # The paper's g0 from the generated training data (word level): L = the larger side's 97.5th
     # percentile of sentence lengths.
     def percentile(side):
@@ -125,12 +152,15 @@ def test_rerun_keeps_finished_runs_and_refuses_other_settings(sweep):
     assert json.loads((out / "results.json").read_text())["runs"] == results["runs"]
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--lrs", "0.1", "fast"], "argument --lrs: expected a positive number, got 'fast'"),
-    (["--lrs", "-1"], "argument --lrs: expected a positive number, got '-1'"),
-    (["--arms", "stock", "flash"], "argument --arms: invalid choice: 'flash'"),
-    (["--updates", "10", "--warmup-updates", "20"], "--warmup-updates 20 exceeds --updates 10"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--lrs", "0.1", "fast"], "argument --lrs: expected a positive number, got 'fast'"),
+        (["--lrs", "-1"], "argument --lrs: expected a positive number, got '-1'"),
+        (["--arms", "stock", "flash"], "argument --arms: invalid choice: 'flash'"),
+        (["--updates", "10", "--warmup-updates", "20"], "--warmup-updates 20 exceeds --updates 10"),
+    ],
+)
 def test_bad_input_is_one_clear_line(tmp_path, flags, message):
     proc = run([*SWEEP, "--work-dir", tmp_path / "w", "--out-dir", tmp_path / "o", *flags], check=False)
     assert proc.returncode == 2

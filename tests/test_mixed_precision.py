@@ -3,15 +3,16 @@ on CUDA, and a trained model cast to half precision (as fairseq's trainer casts 
 float32, padding and beam search included. The CUDA cases need a CUDA device and are skipped (and
 reported as skipped) without one; on a machine with one, `pytest tests/test_mixed_precision.py`
 runs them (not yet done: no GPU has been at hand)."""
+
 import copy
 
 import pytest
 import torch
-
-import fairseq_qknorm  # noqa: F401
 from conftest import train
 from fairseq import checkpoint_utils
 from fairseq.sequence_generator import SequenceGenerator
+
+import fairseq_qknorm  # noqa: F401
 from fairseq_qknorm.qknorm_attention import QKScale
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -27,8 +28,9 @@ def qk_scales(model):
 
 @pytest.mark.parametrize("device, flag", [("cpu", "--bf16"), on_cuda("--bf16"), on_cuda("--fp16")])
 def test_fairseq_train_in_half_precision_has_finite_losses_and_float32_g(toy_bin, tmp_path, device, flag):
-    proc = train(toy_bin / "bin", tmp_path, arch="transformer_qknorm_paper", extra=[flag], max_update=8,
-                 cpu=device == "cpu")
+    proc = train(
+        toy_bin / "bin", tmp_path, arch="transformer_qknorm_paper", extra=[flag], max_update=8, cpu=device == "cpu"
+    )
     log = proc.stdout + proc.stderr
     assert "done training" in log
     if device == "cpu":
@@ -45,12 +47,14 @@ def test_fairseq_train_in_half_precision_has_finite_losses_and_float32_g(toy_bin
     assert all(torch.isfinite(v).all() and (v.to(half).float() != v).all() for v in g), g
 
 
-@pytest.mark.parametrize("device, dtype", [("cpu", torch.bfloat16), ("cpu", torch.float16),
-                                           on_cuda(torch.bfloat16), on_cuda(torch.float16)])
+@pytest.mark.parametrize(
+    "device, dtype", [("cpu", torch.bfloat16), ("cpu", torch.float16), on_cuda(torch.bfloat16), on_cuda(torch.float16)]
+)
 def test_half_model_stays_close_to_float32_with_padding_and_in_beam_search(trained, device, dtype):
     data, save = trained
     (model,), _, task = checkpoint_utils.load_model_ensemble_and_task(
-        [str(save / "checkpoint_best.pt")], arg_overrides={"data": str(data)})
+        [str(save / "checkpoint_best.pt")], arg_overrides={"data": str(data)}
+    )
     model = model.to(device).eval()
     half = copy.deepcopy(model).to(dtype=dtype)
     assert all(s.g.dtype == torch.float32 for s in qk_scales(half)) and qk_scales(half)

@@ -1,9 +1,10 @@
 """The paper's other switches: ScaleNorm, FixNorm, word dropout."""
-import torch
 
-import fairseq_qknorm  # noqa: F401
+import torch
 from conftest import build_model
 from fairseq.data import Dictionary
+
+import fairseq_qknorm  # noqa: F401
 from fairseq_qknorm.fixnorm import UnitNormEmbedding, UnitNormOutputProjection
 from fairseq_qknorm.scale_norm import ScaleNorm
 from fairseq_qknorm.word_dropout import word_dropout

@@ -2,6 +2,7 @@
 fairseq-preprocess, both arms through fairseq-train / fairseq-generate, scoring with significance,
 the per-run results and the gathered table; then a rerun skips finished steps and redoes a step
 whose stamp is gone (a step killed half-way)."""
+
 import json
 import os
 import subprocess
@@ -14,14 +15,22 @@ RUN = ROOT / "examples" / "ted" / "run.sh"
 
 
 def recipe(args, work, data_dir, **env):
-    environ = dict(os.environ, PRESET="smoke", MAX_UPDATE="8", WORK=str(work), DATA_DIR=str(data_dir),
-                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    environ = dict(
+        os.environ,
+        PRESET="smoke",
+        MAX_UPDATE="8",
+        WORK=str(work),
+        DATA_DIR=str(data_dir),
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
+    )
     environ.update(env)
     return subprocess.run(["bash", *map(str, args)], capture_output=True, text=True, env=environ, cwd=ROOT)
 
 
 def check(proc):
-    assert proc.returncode == 0, f"recipe failed ({proc.returncode})\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (
+        f"recipe failed ({proc.returncode})\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    )
     return proc
 
 
@@ -56,8 +65,12 @@ def test_both_arms_are_trained_translated_and_scored(smoke_run, toy_raw):
 
 def test_gathered_table_lists_the_pair(smoke_run):
     work, _ = smoke_run
-    proc = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-m", "experiments.results", "table", str(work)],
-                          capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "python"), "-m", "experiments.results", "table", str(work)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr
     row = next(line for line in proc.stdout.splitlines() if line.startswith("| toy |"))
     result = json.loads((work / "main" / "results.json").read_text())
@@ -72,7 +85,15 @@ def test_rerun_skips_finished_steps_and_redoes_an_unfinished_one(smoke_run, toy_
     (work / "stamps" / "qknorm.seed1.generate").unlink()
     hyp.write_text(before.splitlines()[0] + "\n")
     proc = check(recipe([RUN, "toy"], work, toy_raw))
-    for name in ("data", "spm", "encode", "binarize", "baseline.seed1.train", "qknorm.seed1.train", "baseline.seed1.generate"):
+    for name in (
+        "data",
+        "spm",
+        "encode",
+        "binarize",
+        "baseline.seed1.train",
+        "qknorm.seed1.train",
+        "baseline.seed1.generate",
+    ):
         assert f"{name}: done before, skipped" in proc.stderr
     assert "qknorm.seed1.generate: running" in proc.stderr
     assert hyp.read_text() == before
@@ -94,11 +115,14 @@ def test_bad_settings_fail_with_one_clear_line(tmp_path, toy_raw):
 def test_two_runs_on_one_work_do_a_step_once(tmp_path):
     """Two recipe runs sharing WORK (one per arm, say): the second waits for a step the first is
     doing, then skips it, instead of running it into the same files at the same time."""
-    script = ('source examples/common.sh; set_pair toy; set_preset smoke; mkdir -p "$WORK/stamps"; '
-              'slow() { echo start >> "$WORK/calls"; sleep 2; echo end >> "$WORK/calls"; }; step demo - slow')
+    script = (
+        'source examples/common.sh; set_pair toy; set_preset smoke; mkdir -p "$WORK/stamps"; '
+        'slow() { echo start >> "$WORK/calls"; sleep 2; echo end >> "$WORK/calls"; }; step demo - slow'
+    )
     env = dict(os.environ, WORK=str(tmp_path))
-    runs = [subprocess.Popen(["bash", "-c", script], stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-            for _ in range(2)]
+    runs = [
+        subprocess.Popen(["bash", "-c", script], stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for _ in range(2)
+    ]
     logs = [p.communicate()[1] for p in runs]
     assert [p.returncode for p in runs] == [0, 0], logs
     assert (tmp_path / "calls").read_text() == "start\nend\n"

@@ -3,6 +3,7 @@ entry point, with a message naming what was refused and the file, and nothing in
 holds under the pinned fairseq (which leaves torch.load's weights_only unset) and under a fairseq
 whose loader passes weights_only=False, as upstream fairseq main's does since its "Pt2.6
 compatibility" change; that fairseq is built here from the installed one."""
+
 import datetime
 import os
 import re
@@ -83,8 +84,11 @@ def assert_refused(proc, marker, refused="posix.system", path=None):
 
 def load_to_cpu(path, env, plugin=True):
     """fairseq's checkpoint_utils.load_checkpoint_to_cpu on PATH, in a subprocess."""
-    code = ("import sys\n" + ("import fairseq_qknorm\n" if plugin else "") +
-            "from fairseq import checkpoint_utils\ncheckpoint_utils.load_checkpoint_to_cpu(sys.argv[1])")
+    code = (
+        "import sys\n"
+        + ("import fairseq_qknorm\n" if plugin else "")
+        + "from fairseq import checkpoint_utils\ncheckpoint_utils.load_checkpoint_to_cpu(sys.argv[1])"
+    )
     return run([tool("python"), "-c", code, path], env=env, check=False)
 
 
@@ -101,17 +105,45 @@ def test_the_built_fairseq_runs_the_payload_without_the_plugin(trained, fairseq_
 def test_generate_refuses(trained, poisoned, fairseq_env):
     data, _ = trained
     d, marker = poisoned
-    proc = run([tool("fairseq-generate"), data, "--user-dir", USER_DIR, "--path", d / "checkpoint_last.pt",
-                "--cpu", "--required-batch-size-multiple", "1"], env=fairseq_env, check=False)
+    proc = run(
+        [
+            tool("fairseq-generate"),
+            data,
+            "--user-dir",
+            USER_DIR,
+            "--path",
+            d / "checkpoint_last.pt",
+            "--cpu",
+            "--required-batch-size-multiple",
+            "1",
+        ],
+        env=fairseq_env,
+        check=False,
+    )
     assert_refused(proc, marker, path=d / "checkpoint_last.pt")
 
 
 def test_interactive_refuses(trained, poisoned, fairseq_env):
     data, _ = trained
     d, marker = poisoned
-    proc = run([tool("fairseq-interactive"), data, "--user-dir", USER_DIR, "--path", d / "checkpoint_last.pt",
-                "--cpu", "--source-lang", "src", "--target-lang", "tgt"], input="a b c\n", env=fairseq_env,
-               check=False)
+    proc = run(
+        [
+            tool("fairseq-interactive"),
+            data,
+            "--user-dir",
+            USER_DIR,
+            "--path",
+            d / "checkpoint_last.pt",
+            "--cpu",
+            "--source-lang",
+            "src",
+            "--target-lang",
+            "tgt",
+        ],
+        input="a b c\n",
+        env=fairseq_env,
+        check=False,
+    )
     assert_refused(proc, marker)
 
 
@@ -126,9 +158,11 @@ def test_train_resume_refuses(trained, poisoned, fairseq_env, tmp_path):
 
 
 def hub_load(data, directory, checkpoint_file, env):
-    code = (f"from fairseq.models.transformer import TransformerModel\n"
-            f"TransformerModel.from_pretrained({str(directory)!r}, checkpoint_file={checkpoint_file!r}, "
-            f"data_name_or_path={str(data)!r}, user_dir={USER_DIR!r})")
+    code = (
+        f"from fairseq.models.transformer import TransformerModel\n"
+        f"TransformerModel.from_pretrained({str(directory)!r}, checkpoint_file={checkpoint_file!r}, "
+        f"data_name_or_path={str(data)!r}, user_dir={USER_DIR!r})"
+    )
     return run([tool("python"), "-c", code], env=env, check=False)
 
 
@@ -173,8 +207,10 @@ def fairseq_checkout(fairseq_without_weights_only, tmp_path_factory):
 
 
 def average(checkout, paths):
-    code = ("import sys\nimport fairseq_qknorm\nfrom scripts.average_checkpoints import average_checkpoints\n"
-            "print(len(average_checkpoints(sys.argv[1:])['model']), 'tensors averaged')")
+    code = (
+        "import sys\nimport fairseq_qknorm\nfrom scripts.average_checkpoints import average_checkpoints\n"
+        "print(len(average_checkpoints(sys.argv[1:])['model']), 'tensors averaged')"
+    )
     return run([tool("python"), "-c", code, *paths], cwd=checkout, env={"PYTHONPATH": str(ROOT)}, check=False)
 
 
@@ -189,8 +225,22 @@ def test_checkpoint_averaging_of_a_fairseq_checkout_refuses(trained, poisoned, f
 
 def test_a_normal_checkpoint_loads(trained, fairseq_env):
     data, save = trained
-    run([tool("fairseq-generate"), data, "--user-dir", USER_DIR, "--path", save / "checkpoint_best.pt",
-         "--cpu", "--required-batch-size-multiple", "1", "--max-sentences", "8"], env=fairseq_env)
+    run(
+        [
+            tool("fairseq-generate"),
+            data,
+            "--user-dir",
+            USER_DIR,
+            "--path",
+            save / "checkpoint_best.pt",
+            "--cpu",
+            "--required-batch-size-multiple",
+            "1",
+            "--max-sentences",
+            "8",
+        ],
+        env=fairseq_env,
+    )
     proc = hub_load(data, save, "checkpoint_best.pt", fairseq_env)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
@@ -210,8 +260,19 @@ def old_checkpoint(trained, tmp_path_factory):
 
 def test_trusted_checkpoint_loads_with_a_warning_naming_it(trained, old_checkpoint, fairseq_env):
     data, _ = trained
-    generate = [tool("fairseq-generate"), data, "--user-dir", USER_DIR, "--path", old_checkpoint, "--cpu",
-                "--required-batch-size-multiple", "1", "--max-sentences", "8"]
+    generate = [
+        tool("fairseq-generate"),
+        data,
+        "--user-dir",
+        USER_DIR,
+        "--path",
+        old_checkpoint,
+        "--cpu",
+        "--required-batch-size-multiple",
+        "1",
+        "--max-sentences",
+        "8",
+    ]
     refused = run(generate, env=fairseq_env, check=False)
     last = refused.stderr.strip().splitlines()[-1]
     assert refused.returncode != 0 and "datetime.date" in last and TRUST in last, refused.stderr[-2000:]
@@ -233,8 +294,14 @@ def test_stock_checkpoint_with_qknorm_flags_is_one_clear_line(trained, tmp_path)
     data, _ = trained
     stock = tmp_path / "stock"
     train(data, stock, arch="transformer_qknorm", max_update=2, extra=["--qk-norm", "none", "--qk-scale", "none"])
-    proc = train(data, tmp_path / "ft", arch="transformer_qknorm", max_update=3, check=False,
-                 extra=["--finetune-from-model", stock / "checkpoint_last.pt"])
+    proc = train(
+        data,
+        tmp_path / "ft",
+        arch="transformer_qknorm",
+        max_update=3,
+        check=False,
+        extra=["--finetune-from-model", stock / "checkpoint_last.pt"],
+    )
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert last.startswith("error: the checkpoint has no QK-norm parameters"), proc.stderr[-2000:]

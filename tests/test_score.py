@@ -1,5 +1,6 @@
 """fairseq-qknorm-score: BLEU against an independent corpus-BLEU written here, chrF's fixed points,
 the paired bootstrap test, the published en-vi system outputs, and bad input."""
+
 import json
 import math
 import os
@@ -9,8 +10,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
 from conftest import run, tool
+
 from fairseq_qknorm_cli.score import score_systems
 
 
@@ -28,8 +29,8 @@ def corpus_bleu(hyps, refs):
         h, r = hyp.split(), ref.split()
         hyp_len, ref_len = hyp_len + len(h), ref_len + len(r)
         for n in range(1, 5):
-            h_ngrams = Counter(tuple(h[i:i + n]) for i in range(len(h) - n + 1))
-            r_ngrams = Counter(tuple(r[i:i + n]) for i in range(len(r) - n + 1))
+            h_ngrams = Counter(tuple(h[i : i + n]) for i in range(len(h) - n + 1))
+            r_ngrams = Counter(tuple(r[i : i + n]) for i in range(len(r) - n + 1))
             matches[n - 1] += sum(min(c, r_ngrams[g]) for g, c in h_ngrams.items())
             totals[n - 1] += max(len(h) - n + 1, 0)
     log_precision = sum(math.log(m / t) for m, t in zip(matches, totals)) / 4
@@ -37,12 +38,24 @@ def corpus_bleu(hyps, refs):
     return 100 * brevity * math.exp(log_precision)
 
 
-REFS = ["the cat sat on the mat today", "a quick brown fox jumps over the lazy dog",
-        "there is a red book on the kitchen table", "he said that he would come back tomorrow"]
-SHORT_HYPS = ["the cat sat on a mat", "a fast brown fox jumps over the dog",  # brevity penalty < 1
-              "there is book on the kitchen table", "he said he would come back tomorrow"]
-LONG_HYPS = ["the cat sat on the mat today again and again", "a quick brown fox jumps over the very lazy dog",
-             "there is a red book on the the kitchen table", "he said that he would come back tomorrow night"]
+REFS = [
+    "the cat sat on the mat today",
+    "a quick brown fox jumps over the lazy dog",
+    "there is a red book on the kitchen table",
+    "he said that he would come back tomorrow",
+]
+SHORT_HYPS = [
+    "the cat sat on a mat",
+    "a fast brown fox jumps over the dog",  # brevity penalty < 1
+    "there is book on the kitchen table",
+    "he said he would come back tomorrow",
+]
+LONG_HYPS = [
+    "the cat sat on the mat today again and again",
+    "a quick brown fox jumps over the very lazy dog",
+    "there is a red book on the the kitchen table",
+    "he said that he would come back tomorrow night",
+]
 
 
 @pytest.mark.parametrize("hyps", [SHORT_HYPS, LONG_HYPS], ids=["shorter", "longer"])

@@ -1,21 +1,22 @@
 """TED extraction (experiments.ted) on small made-up files in the format of Qi et al.'s
 all_talks_{train,dev,test}.tsv: a talk column, one column per language, NULL markers."""
+
 import io
 import sys
 import tarfile
 
 import pytest
-
 from conftest import run
+
 from experiments import ted
 
 HEADER = "talk_name\ten\tgl\tpt-br\n"
 ROWS = {
     "train": [
         "talk_1\tHello .\tOla .\tOlá .\n",
-        "talk_1\tThank you .\t__NULL__\tObrigado .\n",       # gl missing: dropped from gl-en
-        "talk_2\tYes .\tSi .\t_ _ NULL _ _\n",               # pt-br missing (tokenized marker): kept in gl-en
-        "talk_2\t_ _ NULL _ _\tNon .\tNão .\n",              # en missing: dropped
+        "talk_1\tThank you .\t__NULL__\tObrigado .\n",  # gl missing: dropped from gl-en
+        "talk_2\tYes .\tSi .\t_ _ NULL _ _\n",  # pt-br missing (tokenized marker): kept in gl-en
+        "talk_2\t_ _ NULL _ _\tNon .\tNão .\n",  # en missing: dropped
         "talk_3\tA &quot; quote &quot; .\tUnha &quot; cita &quot; .\tUma citação .\n",
     ],
     "dev": ["talk_4\tOne .\tUn .\tUm .\n", "talk_4\t\tDous .\tDois .\n"],  # an empty field is missing too
@@ -29,9 +30,15 @@ def write_tsvs(directory):
 
 
 def read_pair(out, src, tgt):
-    return {split: list(zip((out / f"{split}.{src}").read_text(encoding="utf-8").splitlines(),
-                            (out / f"{split}.{tgt}").read_text(encoding="utf-8").splitlines()))
-            for split in ("train", "dev", "test")}
+    return {
+        split: list(
+            zip(
+                (out / f"{split}.{src}").read_text(encoding="utf-8").splitlines(),
+                (out / f"{split}.{tgt}").read_text(encoding="utf-8").splitlines(),
+            )
+        )
+        for split in ("train", "dev", "test")
+    }
 
 
 EXPECTED_GL_EN = {
@@ -48,7 +55,9 @@ def test_directory_of_tsvs_to_plain_text_layout(tmp_path):
     assert read_pair(out, "gl", "en") == EXPECTED_GL_EN
     assert "train: 3 gl-en pairs, 2 rows dropped" in proc.stdout
     # Only complete files, named by language code: the layout the recipes' DATA_DIR takes.
-    assert sorted(p.name for p in out.iterdir()) == sorted(f"{s}.{l}" for s in ("train", "dev", "test") for l in ("gl", "en"))
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        f"{s}.{lang}" for s in ("train", "dev", "test") for lang in ("gl", "en")
+    )
 
 
 def test_archive_gives_the_same_pair_and_direction_follows_the_flags(tmp_path):

@@ -9,6 +9,7 @@ half-way through its N-th checkpoint write of kind WHAT (counted from 1 in each 
 Half the bytes reach the file, then the process dies as from `kill -9`: no cleanup, no exception
 handler, no atexit. Any other process, or no variable, is left untouched.
 """
+
 import os
 import signal
 import sys
@@ -44,6 +45,7 @@ def _install(what, nth):
             def write_half():
                 f.write(data[: len(data) // 2])
                 f.flush()
+
             _die_half_way(write_half)
 
         torch.save = save
@@ -60,6 +62,7 @@ def _install(what, nth):
                 with open(src, "rb") as source, open(dst, "wb") as target:
                     data = source.read()
                     target.write(data[: len(data) // 2])
+
             _die_half_way(write_half)
 
         shutil.copyfile = copyfile
