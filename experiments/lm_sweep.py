@@ -22,12 +22,11 @@ import os
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from experiments import lr_sweep
-from experiments.lr_sweep import divergence, finished_runs, progress_line, summarize, write_json
+from experiments.lr_sweep import finished_runs, summarize, write_json
 from experiments.machine import machine
 from fairseq_qknorm_cli.files import fail, write_text
 from fairseq_qknorm_cli.logs import setup_logging
@@ -139,42 +138,9 @@ def fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir):
         str(TOKENS_PER_SAMPLE),
         *ARMS[arm],
         *MODEL,
-        "--optimizer",
-        "adam",
-        "--adam-betas",
-        "(0.9, 0.98)",
-        "--adam-eps",
-        "1e-8",
-        "--weight-decay",
-        "0.0",
-        "--lr",
-        repr(lr),
-        "--lr-scheduler",
-        "inverse_sqrt",
-        "--warmup-updates",
-        str(warmup),
-        "--warmup-init-lr",
-        "0",
-        "--clip-norm",
-        "0",
-        "--criterion",
-        "cross_entropy",
-        "--max-tokens",
-        str(MAX_TOKENS),
-        "--required-batch-size-multiple",
-        "1",
-        "--max-update",
-        str(updates),
-        "--seed",
-        str(seed),
-        "--cpu",
-        "--num-workers",
-        "0",
-        "--save-dir",
-        str(save_dir),
-        "--no-save",
-        "--data-buffer-size",
-        "0",
+        *lr_sweep.training_flags(
+            lr, seed, updates, warmup, save_dir, criterion=["--criterion", "cross_entropy"], max_tokens=MAX_TOKENS
+        ),
     ]
 
 
@@ -211,72 +177,24 @@ def attention_snapshot(model, criterion, sample):
 
 
 def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
-    """Train one arm at one peak learning rate; its record, as the translation sweep's."""
-    import torch
-    from fairseq import options, tasks, utils
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-    from fairseq.logging import metrics
-    from fairseq.trainer import Trainer
+    """Train one arm at one peak learning rate: the translation sweep's loop with this sweep's
+    flags, statistics and fixed batch; its record, as the translation sweep's."""
+    from fairseq_qknorm import USER_DIR
 
-    with tempfile.TemporaryDirectory(prefix="lm_sweep_") as save_dir:
-        flags = fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir)
-        cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), flags))
-        metrics.reset()
-        utils.set_torch_seed(seed)
-        task = tasks.setup_task(cfg.task)
-        model = task.build_model(cfg.model)
-        criterion = task.build_criterion(cfg.criterion)
-        task.load_dataset("valid")
-        dev = task.dataset("valid")
-        fixed_batch = dev.collater([dev[i] for i in range(min(STATS_BLOCKS, len(dev)))])
-        trainer = Trainer(cfg, task, model, criterion)
-        epoch_itr = trainer.get_train_iterator(epoch=1)
-        from fairseq_qknorm import USER_DIR
-
-        command = "fairseq-train " + shlex.join(flags)  # without this machine's paths
-        paths = ((save_dir, "SAVE_DIR"), (str(bin_dir), "WORK/bin"), (USER_DIR, "$(fairseq-qknorm-user-dir)"))
-        for path, name in paths:
-            command = command.replace(path, name)
-        record = {
-            "arm": arm,
-            "lr": lr,
-            "seed": seed,
-            "command": command,
-            "params": sum(p.numel() for p in model.parameters()),
-            "qk_scale_init": getattr(cfg.model, "qk_scale_init", None) if arm == "qknorm" else None,
-            "loss": [],
-            "gnorm": [],
-            "stats": [],
-            "diverged": None,
-        }
-
-        def snapshot():
-            record["stats"].append({"update": len(record["loss"]), **attention_snapshot(model, criterion, fixed_batch)})
-
-        start = time.time()
-        snapshot()
-        while len(record["loss"]) < updates and record["diverged"] is None:
-            trainer.begin_epoch(epoch_itr.next_epoch_idx)
-            for sample in epoch_itr.next_epoch_itr(shuffle=True):
-                try:
-                    with metrics.aggregate() as step_metrics:  # the gradient norm is logged, not returned
-                        loss = trainer.train_step([sample])["loss"]
-                    gnorm = step_metrics.get_smoothed_values()["gnorm"]
-                except FloatingPointError:  # fairseq's answer to non-finite gradients
-                    loss, gnorm = None, None
-                record["loss"].append(loss)
-                record["gnorm"].append(gnorm)
-                record["diverged"] = divergence(record["loss"])
-                done = len(record["loss"])
-                stop = record["diverged"] is not None or done >= updates
-                if stop or done % stats_interval == 0:
-                    snapshot()
-                    log(progress_line(record))
-                if stop:
-                    break
-        record["seconds"] = round(time.time() - start, 1)
-        record["torch_threads"] = torch.get_num_threads()
-    return record
+    return lr_sweep.train_run(
+        bin_dir,
+        arm,
+        lr,
+        seed,
+        updates,
+        warmup,
+        stats_interval,
+        log,
+        flags_for=fairseq_flags,
+        snapshot_of=attention_snapshot,
+        stats_items=STATS_BLOCKS,
+        hidden_paths=((str(bin_dir), "WORK/bin"), (USER_DIR, "$(fairseq-qknorm-user-dir)")),
+    )
 
 
 def sensitivity(runs):

@@ -151,6 +151,24 @@ def prepare_data(work_dir: Path) -> Path:
     return bin_dir
 
 
+def training_flags(lr, seed, updates, warmup, save_dir, criterion, max_tokens=MAX_TOKENS):
+    """The fairseq-train flags every sweep run shares: Adam, a linear warm-up to the peak rate LR
+    and inverse_sqrt decay, no gradient clipping (divergence is what is measured), max_tokens per
+    update, on the CPU, nothing saved."""
+    # fmt: off
+    return [
+        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--adam-eps", "1e-8", "--weight-decay", "0.0",
+        "--lr", repr(lr), "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(warmup), "--warmup-init-lr", "0",
+        "--clip-norm", "0", *criterion,
+        "--max-tokens", str(max_tokens), "--required-batch-size-multiple", "1", "--max-update", str(updates),
+        "--seed", str(seed), "--cpu", "--num-workers", "0", "--save-dir", str(save_dir), "--no-save",
+        # No prefetching thread: a run stops mid-epoch, and a thread left filling its buffer
+        # aborts the interpreter at exit ("terminate called without an active exception").
+        "--data-buffer-size", "0",
+    ]
+    # fmt: on
+
+
 def fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir):
     """The fairseq-train flags of one run."""
     from fairseq_qknorm import USER_DIR
@@ -167,46 +185,14 @@ def fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir):
         "tgt",
         *ARMS[arm],
         *MODEL,
-        "--optimizer",
-        "adam",
-        "--adam-betas",
-        "(0.9, 0.98)",
-        "--adam-eps",
-        "1e-8",
-        "--weight-decay",
-        "0.0",
-        "--lr",
-        repr(lr),
-        "--lr-scheduler",
-        "inverse_sqrt",
-        "--warmup-updates",
-        str(warmup),
-        "--warmup-init-lr",
-        "0",
-        "--clip-norm",
-        "0",
-        "--criterion",
-        "label_smoothed_cross_entropy",
-        "--label-smoothing",
-        "0.1",
-        "--max-tokens",
-        str(MAX_TOKENS),
-        "--required-batch-size-multiple",
-        "1",
-        "--max-update",
-        str(updates),
-        "--seed",
-        str(seed),
-        "--cpu",
-        "--num-workers",
-        "0",
-        "--save-dir",
-        str(save_dir),
-        "--no-save",
-        # No prefetching thread: a run stops mid-epoch, and a thread left filling its buffer
-        # aborts the interpreter at exit ("terminate called without an active exception").
-        "--data-buffer-size",
-        "0",
+        *training_flags(
+            lr,
+            seed,
+            updates,
+            warmup,
+            save_dir,
+            criterion=["--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"],
+        ),
     ]
 
 
@@ -253,8 +239,27 @@ def attention_snapshot(model, criterion, sample):
     }
 
 
-def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
-    """Train one arm at one peak learning rate; returns its record for results.json."""
+def train_run(
+    bin_dir,
+    arm,
+    lr,
+    seed,
+    updates,
+    warmup,
+    stats_interval,
+    log,
+    *,
+    flags_for=None,
+    snapshot_of=None,
+    stats_items=STATS_SENTENCES,
+    hidden_paths=(),
+):
+    """Train one arm at one peak learning rate; returns its record for results.json. Another sweep
+    (experiments/lm_sweep.py) passes its own fairseq-train flags (flags_for, fairseq_flags' signature),
+    attention statistics (snapshot_of, attention_snapshot's), size of the fixed dev batch, and the
+    (path, name) pairs that keep its machine's paths out of the recorded command."""
+    flags_for = flags_for or fairseq_flags
+    snapshot_of = snapshot_of or attention_snapshot
     import torch
     from fairseq import options, tasks, utils
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
@@ -262,7 +267,7 @@ def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
     from fairseq.trainer import Trainer
 
     with tempfile.TemporaryDirectory(prefix="lr_sweep_") as save_dir:  # fairseq's crash.pt, if any
-        flags = fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir)
+        flags = flags_for(bin_dir, arm, lr, seed, updates, warmup, save_dir)
         cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), flags))
         metrics.reset()
         utils.set_torch_seed(seed)
@@ -271,7 +276,7 @@ def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
         criterion = task.build_criterion(cfg.criterion)
         task.load_dataset("valid")
         dev = task.dataset("valid")
-        fixed_batch = dev.collater([dev[i] for i in range(min(STATS_SENTENCES, len(dev)))])
+        fixed_batch = dev.collater([dev[i] for i in range(min(stats_items, len(dev)))])
         trainer = Trainer(cfg, task, model, criterion)
         epoch_itr = trainer.get_train_iterator(epoch=1)
 
@@ -288,10 +293,11 @@ def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
             "stats": [],
             "diverged": None,
         }
-        record["command"] = record["command"].replace(save_dir, "SAVE_DIR")
+        for path, name in ((save_dir, "SAVE_DIR"), *hidden_paths):
+            record["command"] = record["command"].replace(path, name)
 
         def snapshot():
-            record["stats"].append({"update": len(record["loss"]), **attention_snapshot(model, criterion, fixed_batch)})
+            record["stats"].append({"update": len(record["loss"]), **snapshot_of(model, criterion, fixed_batch)})
 
         start = time.time()
         snapshot()
