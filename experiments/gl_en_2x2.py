@@ -23,6 +23,7 @@ import shutil
 from contextlib import contextmanager
 
 from experiments.fairseq_logs import parse_train_log
+from experiments.results import read_commands, train_command
 from fairseq_qknorm_cli.files import atomic_path, fail, write_text
 
 CELLS = (("scalenorm", "dot"), ("scalenorm", "qknorm"), ("layernorm", "dot"), ("layernorm", "qknorm"))
@@ -77,24 +78,13 @@ def pending(records, seeds):
 
 def learned_g(checkpoint):
     """{module name: g} of every attention module (empty for scaled dot product)."""
-    import torch
+    from fairseq_qknorm_cli.inspect_checkpoints import G_SUFFIX, load_checkpoint
 
-    import fairseq_qknorm  # noqa: F401  (allow-lists the classes fairseq checkpoints hold)
-
-    state = torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
-    suffix = ".qk_scale.g"
     return {
-        k[: -len(suffix)]: [round(float(x), 4) for x in v.flatten()] if v.numel() > 1 else round(float(v), 4)
-        for k, v in state.items()
-        if k.endswith(suffix)
+        k[: -len(G_SUFFIX)]: [round(float(x), 4) for x in v.flatten()] if v.numel() > 1 else round(float(v), 4)
+        for k, v in load_checkpoint(checkpoint)["model"].items()
+        if k.endswith(G_SUFFIX)
     }
-
-
-def train_command(commands_path, arm_dir):
-    from experiments.results import read_commands
-    from experiments.results import train_command as find
-
-    return find(read_commands(commands_path), arm_dir)
 
 
 def record(args):
@@ -129,7 +119,7 @@ def record(args):
         "train_seconds": seconds,
         "threads": int(os.environ.get("OMP_NUM_THREADS", "0")) or None,
         "preset": args.preset,
-        "train_command": train_command(args.commands, args.arm_dir) if args.commands else None,
+        "train_command": train_command(read_commands(args.commands), args.arm_dir) if args.commands else None,
         "data_sha1": data_sha1(args.data),
     }
     with locked(args.records):

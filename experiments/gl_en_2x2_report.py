@@ -21,6 +21,7 @@ import numpy as np
 
 from experiments.gl_en_2x2 import CELLS, TGT, read_runs, sha1
 from fairseq_qknorm_cli.files import fail, write_text
+from fairseq_qknorm_cli.score import read_lines
 
 NAMES = {
     ("scalenorm", "dot"): "ScaleNorm + scaled dot (the paper's baseline)",
@@ -84,15 +85,10 @@ def sentence_statistics(records, ref, runs, seeds, metric_name):
         per_seed = []
         for seed in seeds:
             run = next(r for r in runs if (r["norm"], r["attention"], r["seed"]) == (*cell, seed))
-            hyps = _lines(os.path.join(records, run["hyp"]))
+            hyps = read_lines(os.path.join(records, run["hyp"]), "hypotheses")
             per_seed.append(np.asarray(metric._extract_corpus_statistics(hyps, [ref]), dtype=np.float64))
         stats[cell] = np.stack(per_seed)
     return stats, metric
-
-
-def _lines(path):
-    with open(path, encoding="utf-8") as f:
-        return [line.rstrip() for line in f.read().split("\n")[:-1]]
 
 
 def pooled_bootstrap(stats, metric):
@@ -229,7 +225,7 @@ def write_report(records, data_dir):
         fail(f"--data {data_dir}: no test.{TGT}")
     if sha1(ref_path) != runs[0]["data_sha1"][f"test.{TGT}"]:
         fail(f"--data {data_dir}: test.{TGT} is not the reference the runs were scored against (sha1 differs)")
-    ref = _lines(ref_path)
+    ref = read_lines(ref_path, "--data")
     md = [
         "# The 2x2 on TED gl-en: does QK-norm itself help?",
         "",

@@ -30,6 +30,7 @@ from datetime import datetime
 
 from experiments.fairseq_logs import parse_train_log, parse_valid_line
 from experiments.gl_en_2x2 import CELLS, read_runs
+from experiments.gl_en_2x2_report import cell_table
 from fairseq_qknorm_cli.files import fail, write_text
 
 INNER = re.compile(r"epoch \d+:\s+\d+ / (\d+) .*\bups=([\d.]+)")
@@ -153,14 +154,6 @@ def size(args):
     print(updates, every, warmup, stop_hours)
 
 
-def _mean_sd(values):
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return f"{values[0]:.2f}"
-    return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
-
-
 def run_status(run, logs):
     """Why a run stopped, and whether its dev BLEU was still rising at its last validation."""
     log = os.path.join(logs, f"{run['norm']}-{run['attention']}-seed{run['seed']}.train.log")
@@ -191,20 +184,13 @@ def summary(args):
         f"{budget['rate_updates_per_second']:.2f} updates/s per run (the slowest cell), "
         f"{budget['validation_seconds']:.0f} s per validation, {budget['fixed_seconds']:.0f} s start-up.",
         "",
-        "| norm | attention | runs | test BLEU | test chrF | best dev BLEU | updates |",
-        "|---|---|---|---|---|---|---|",
+        *cell_table(runs),
+        "",
     ]
     means = {}
     for norm, attention in CELLS:
-        cell = [r for r in runs if (r["norm"], r["attention"]) == (norm, attention)]
-        bleu = [r["test_bleu"] for r in cell]
+        bleu = [r["test_bleu"] for r in runs if (r["norm"], r["attention"]) == (norm, attention)]
         means[norm, attention] = statistics.mean(bleu) if bleu else None
-        lines.append(
-            f"| {norm} | {attention} | {len(cell)} | {_mean_sd(bleu)} | "
-            f"{_mean_sd([r['test_chrf'] for r in cell])} | {_mean_sd([r['best_dev_bleu'] for r in cell])} | "
-            f"{', '.join(str(u) for u in sorted({r['updates'] for r in cell})) or '-'} |"
-        )
-    lines.append("")
     if None not in means.values():
         for norm in ("scalenorm", "layernorm"):
             lines.append(

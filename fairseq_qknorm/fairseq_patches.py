@@ -32,6 +32,19 @@ logger = logging.getLogger(__name__)
 _installed = False
 
 
+class _ModuleView(types.ModuleType):
+    """A module as one fairseq module sees it under its global name: the real module with a few
+    attributes replaced. The module itself, and every other module using it, are left as they are."""
+
+    def __init__(self, module, **replaced):
+        super().__init__(module.__name__)
+        self.__dict__.update(replaced)
+        self._module = module
+
+    def __getattr__(self, name):  # only for names not replaced
+        return getattr(self._module, name)
+
+
 # ------------------------------------------------------------------ 1. checkpoint loading
 def _numpy_globals():
     # numpy arrays in checkpoints come from --eval-bleu's statistics (int64; float64 after a
@@ -107,16 +120,6 @@ def load_checkpoint_safely(f, map_location=None, weights_only=None, **kwargs):
     return torch.load(f, map_location=map_location, weights_only=True, **kwargs)
 
 
-class _TorchWithSafeLoad:
-    """torch, with load_checkpoint_safely as its `load`: what a checkpoint-loading module of fairseq
-    sees under the name `torch`. torch itself, and every other module, keep torch.load as it is."""
-
-    load = staticmethod(load_checkpoint_safely)
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-
 def _fairseq_average_checkpoints():
     # fairseq's scripts/average_checkpoints.py is in no fairseq wheel; in a source checkout it is
     # importable as scripts.average_checkpoints. Only a `scripts` folder beside the fairseq package
@@ -144,7 +147,7 @@ def load_checkpoints_safely():
 
     for module in (checkpoint_utils, _fairseq_average_checkpoints()):
         if module is not None and module.torch is torch:
-            module.torch = _TorchWithSafeLoad()
+            module.torch = _ModuleView(torch, load=load_checkpoint_safely)
 
 
 # ------------------------------------------------------------------ 2. checkpoint copies
@@ -197,15 +200,6 @@ def install_excepthook():
 
 
 # ------------------------------------------------------------------ 5. numpy 2 and np.compat
-class _NumpyWithCompat(types.ModuleType):
-    """numpy, plus the `np.compat.long` that numpy 1 defined as `int` (numpy 2 has no np.compat)."""
-
-    compat = types.SimpleNamespace(long=int)
-
-    def __getattr__(self, name):
-        return getattr(np, name)
-
-
 def give_token_blocks_np_compat():
     # token_block_dataset.py builds its eos-mode index with np.zeros(..., dtype=np.compat.long): under
     # numpy 2 every `--sample-break-mode eos` run stopped there with an AttributeError. Only that
@@ -213,7 +207,8 @@ def give_token_blocks_np_compat():
     from fairseq.data import token_block_dataset
 
     if not hasattr(np, "compat") and token_block_dataset.np is np:
-        token_block_dataset.np = _NumpyWithCompat("numpy")
+        # numpy 1 defined np.compat.long as int
+        token_block_dataset.np = _ModuleView(np, compat=types.SimpleNamespace(long=int))
 
 
 def install():

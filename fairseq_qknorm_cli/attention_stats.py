@@ -124,15 +124,15 @@ class AttentionStats:
         # would count as saturated whatever the model learned.
         rows = query_valid[:, None, :] & (real_keys.sum(dim=-1) >= 2)  # (batch, heads, tgt)
         # Masked keys have weight exactly 0, and xlogy(0, 0) = 0: they add nothing to the entropy.
-        entropy_all = -torch.special.xlogy(weights, weights).sum(dim=-1)
-        entropy = entropy_all[rows]
+        # Summed per head (where, not a product: a row with no real key can hold NaN weights).
+        entropy = torch.where(rows, -torch.special.xlogy(weights, weights).sum(dim=-1), 0).double()
+        head_entropy = entropy.sum(dim=(0, 2))
+        head_rows = rows.sum(dim=(0, 2)).double()
         max_weight = weights.max(dim=-1).values[rows]
         self.rows += int(rows.sum())
-        head_rows = rows.sum(dim=(0, 2)).double()
-        head_entropy = (entropy_all * rows).sum(dim=(0, 2)).double()
         self.head_rows = head_rows if self.head_rows is None else self.head_rows + head_rows
         self.head_entropy_sum = head_entropy if self.head_entropy_sum is None else self.head_entropy_sum + head_entropy
-        self.entropy_sum += float(entropy.double().sum())
+        self.entropy_sum += float(head_entropy.sum())
         self.max_weight_sum += float(max_weight.double().sum())
         self.saturated_rows += int((max_weight > SATURATION).sum())
         real = rows[..., None] & real_keys

@@ -82,7 +82,7 @@ settings() {
         TIME_LIMIT=${TIME_LIMIT:-540} PROBE_UPDATES=${PROBE_UPDATES:-100} LOG_INTERVAL=${LOG_INTERVAL:-20}
         MAX_EPOCHS=${MAX_EPOCHS:-} SEEDS=${SEEDS:-$(python -m experiments.gpu_budget seeds)} END_RESERVE=${END_RESERVE:-75}
     fi
-    if [ -z "${PRECISION:-}" ]; then  # fairseq's --fp16 needs CUDA; its --bf16 is a TPU run but on the CPU
+    if [ -z "${PRECISION:-}" ]; then  # fp16 needs CUDA; bf16 on CUDA has not run yet
         PRECISION=bf16
         python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' && PRECISION=fp16
     fi
