@@ -95,21 +95,17 @@ class AttentionBench:
         enc = self._randn(cache, sentences, self.dim).repeat_interleave(beam, dim=1)
         enc_mask = padding_mask(self._lengths(sentences, cache), cache, self.device).repeat_interleave(beam, dim=0)
 
+        def attend_to_source(module, state):
+            kw = dict(key_padding_mask=enc_mask, incremental_state=state, static_kv=True, need_weights=False)
+            return module(x, enc, enc, **kw)
+
         def make(module):
             module.eval()
             module.set_beam_size(beam)
             state = {}
             with torch.no_grad():  # fill the cache once, as the first steps would
                 if cross:
-                    module(
-                        x,
-                        enc,
-                        enc,
-                        key_padding_mask=enc_mask,
-                        incremental_state=state,
-                        static_kv=True,
-                        need_weights=False,
-                    )
+                    attend_to_source(module, state)
                 else:
                     module(self._randn(cache, hyps, self.dim), None, None, incremental_state=state, need_weights=False)
             filled = dict(module._get_input_buffer(state))
@@ -118,15 +114,7 @@ class AttentionBench:
             def call():
                 module._set_input_buffer(state, dict(filled))  # the same cache length at every call
                 if cross:
-                    module(
-                        x,
-                        enc,
-                        enc,
-                        key_padding_mask=enc_mask,
-                        incremental_state=state,
-                        static_kv=True,
-                        need_weights=False,
-                    )
+                    attend_to_source(module, state)
                 else:
                     module(x, x, x, incremental_state=state, need_weights=False)
 

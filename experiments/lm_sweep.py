@@ -17,19 +17,17 @@ min(final loss, loss at initialization) minus the best final loss of the arm.
 """
 
 import argparse
+import functools
 import math
 import os
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from experiments import lr_sweep
-from experiments.lr_sweep import finished_runs, summarize, write_json
-from experiments.machine import machine
+from experiments.lr_sweep import summarize
 from fairseq_qknorm_cli.files import fail, write_text
-from fairseq_qknorm_cli.logs import setup_logging
 
 # Every arm: pre-norm with a final LayerNorm, 2 layers, 64 wide, 4 heads (head dim 16), FFN 256,
 # shared input/output embeddings, no dropout. Only the attention differs. fairseq's `--arch
@@ -145,35 +143,10 @@ def fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir):
 
 
 def attention_snapshot(model, criterion, sample):
-    """On the fixed batch: its loss (bits per token) and, per self-attention module, the largest
-    pre-softmax logit over real query/key pairs (the causal mask's -inf left out), the smallest
-    per-head entropy and g when the module has one."""
-    import torch
-
-    from fairseq_qknorm.qknorm_attention import QKNormAttention
-    from fairseq_qknorm_cli.attention_stats import AttentionStats, attention_module, recording_attention, sort_key
-
+    """The translation sweep's statistics on the fixed batch of validation blocks, per
+    self-attention module; the causal mask's -inf logits are left out of the largest logit."""
     valid = sample["net_input"]["src_tokens"].ne(criterion.padding_idx)
-    stats = {}
-
-    def on_attention(where, weights, logits):
-        stats.setdefault(where, AttentionStats()).add(weights, logits, valid, valid)
-
-    model.eval()
-    with torch.no_grad(), recording_attention(model, on_attention):
-        loss, sample_size, _ = criterion(model, sample)
-    g = {
-        f"{w[0]} {w[1]}": m.qk_scale.g.tolist()
-        for name, m in model.named_modules()
-        if (w := attention_module(name)) and isinstance(m, QKNormAttention) and m.qk_scale is not None
-    }
-    order = sorted(stats, key=sort_key)
-    return {
-        "loss": float(loss) / sample_size / math.log(2),
-        "max_logit": {f"{w[0]} {w[1]}": stats[w].logit_max for w in order},
-        "min_entropy": {f"{w[0]} {w[1]}": stats[w].min_head_entropy() for w in order},
-        "g": g,
-    }
+    return lr_sweep.attention_statistics(model, criterion, sample, lambda where: (valid, valid))
 
 
 def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
@@ -261,32 +234,22 @@ def parse_args(argv=None):
         help="validation text: the fixed batch of the attention statistics (default: $LM_SWEEP_VALID)",
     )
     p.add_argument("--vocab-size", type=lr_sweep._positive_int, default=4000, help="sentencepiece BPE vocabulary")
-    p.add_argument("--lrs", nargs="+", type=lr_sweep._positive_float, default=DEFAULT_LRS, metavar="LR")
-    p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), metavar="ARM")
-    p.add_argument("--seeds", nargs="+", type=int, default=[1], metavar="SEED")
-    p.add_argument("--updates", type=lr_sweep._positive_int, default=100, help="updates per run")
-    p.add_argument("--warmup-updates", type=lr_sweep._positive_int, default=25)
-    p.add_argument("--stats-interval", type=lr_sweep._positive_int, default=20)
+    lr_sweep.add_sweep_args(p, ARMS, DEFAULT_LRS, updates=100, warmup_updates=25, stats_interval=20, threads=1)
     p.add_argument("--work-dir", type=Path, required=True, help="the binarized text (made once)")
     p.add_argument("--out-dir", type=Path, required=True, help="results.json, the figures and the tables")
-    p.add_argument("--threads", type=lr_sweep._positive_int, default=1, help="torch CPU threads")
     args = p.parse_args(argv)
     if not args.train or not args.valid:
         p.error("--train and --valid (or $LM_SWEEP_TRAIN and $LM_SWEEP_VALID) are needed")
     for path in [*args.train, args.valid]:
         if not path.is_file():
             p.error(f"{path}: no such text file")
-    if args.warmup_updates > args.updates:
-        p.error(f"--warmup-updates {args.warmup_updates} exceeds --updates {args.updates}")
+    lr_sweep.check_sweep_args(p, args)
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
     settings = {
-        "updates": args.updates,
-        "warmup_updates": args.warmup_updates,
-        "stats_interval": args.stats_interval,
         "model": MODEL,
         "arms": ARMS,
         "max_tokens": MAX_TOKENS,
@@ -296,54 +259,13 @@ def main(argv=None):
         "stats_blocks": STATS_BLOCKS,
         "window": lr_sweep.WINDOW,
     }
-    results_path = args.out_dir / "results.json"
-    runs = finished_runs(results_path, settings)
-    args.work_dir.mkdir(parents=True, exist_ok=True)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-
-    import logging
-    import warnings
-
-    setup_logging(sys.stdout)
-    import torch
-
-    torch.set_num_threads(args.threads)
-    for message in (r"(?s).*hydra\.cc", r"(?s).*'pin_memory'", r"(?s).*torch\.cuda\.amp\.autocast"):
-        warnings.filterwarnings("ignore", message=message)
-    import fairseq
-
-    logging.getLogger("fairseq").setLevel(logging.WARNING)
-    logging.getLogger("fairseq.nan_detector").setLevel(logging.ERROR)
-    for name in ("hydra", "matplotlib"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-
-    def log(message):
-        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} | INFO | lm_sweep | {message}", flush=True)
-
-    bin_dir = prepare_data(args.work_dir, args.train, args.valid, args.vocab_size)
+    # The results name the text files and the work directory, not where they were on this machine.
     argv_text = shlex.join(sys.argv[1:] if argv is None else argv).replace(str(args.work_dir), "WORK")
     for path in [*args.train, args.valid]:
         argv_text = argv_text.replace(str(path), path.name)
-    header = {
-        "command": "python -m experiments.lm_sweep " + argv_text,
-        "settings": settings,
-        "machine": {
-            **machine(),
-            "torch": torch.__version__,
-            "fairseq": fairseq.__version__,
-            "torch_threads": args.threads,
-        },
-    }
-    for seed in args.seeds:
-        for arm in args.arms:
-            for lr in args.lrs:
-                if any(r["arm"] == arm and r["lr"] == lr and r["seed"] == seed for r in runs):
-                    continue
-                runs.append(
-                    train_run(bin_dir, arm, lr, seed, args.updates, args.warmup_updates, args.stats_interval, log)
-                )
-                write_json(results_path, {**header, "runs": runs})
-    write_json(results_path, {**header, "runs": runs})
+    command = "python -m experiments.lm_sweep " + argv_text
+    prepare = functools.partial(prepare_data, args.work_dir, args.train, args.valid, args.vocab_size)
+    runs, _ = lr_sweep.run_sweep("lm_sweep", args, settings, command, prepare, train_run)
     lr_sweep.write_figures(runs, args.out_dir, args.updates)
     tables = [lr_sweep.markdown_table(runs), lr_sweep.seed_table(runs), sensitivity_table(runs)]
     write_text(str(args.out_dir / "tables.md"), "\n\n".join(tables) + "\n")

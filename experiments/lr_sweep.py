@@ -203,24 +203,26 @@ def attention_snapshot(model, criterion, sample):
     """On the fixed batch: its loss (bits per token) and, per attention module ("decoder cross 1"),
     the largest pre-softmax logit over real query/key pairs, the smallest per-head entropy (nats,
     averaged over the real queries of that head) and g when the module has one."""
-    import torch
-
-    from fairseq_qknorm.qknorm_attention import QKNormAttention
-    from fairseq_qknorm_cli.attention_stats import (
-        AttentionStats,
-        attention_module,
-        query_and_key_mask,
-        recording_attention,
-        sort_key,
-    )
+    from fairseq_qknorm_cli.attention_stats import query_and_key_mask
 
     pad = criterion.padding_idx
     net_input = sample["net_input"]
     src_valid, tgt_valid = net_input["src_tokens"].ne(pad), net_input["prev_output_tokens"].ne(pad)
+    return attention_statistics(model, criterion, sample, lambda where: query_and_key_mask(where, src_valid, tgt_valid))
+
+
+def attention_statistics(model, criterion, sample, real_queries_and_keys):
+    """The statistics of attention_snapshot; real_queries_and_keys(where) gives the (query, key)
+    masks of the module at where."""
+    import torch
+
+    from fairseq_qknorm.qknorm_attention import QKNormAttention
+    from fairseq_qknorm_cli.attention_stats import AttentionStats, attention_module, recording_attention, sort_key
+
     stats = {}
 
     def on_attention(where, weights, logits):
-        stats.setdefault(where, AttentionStats()).add(weights, logits, *query_and_key_mask(where, src_valid, tgt_valid))
+        stats.setdefault(where, AttentionStats()).add(weights, logits, *real_queries_and_keys(where))
 
     model.eval()
     with torch.no_grad(), recording_attention(model, on_attention):
@@ -506,41 +508,45 @@ def _positive_int(value):
     return n
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+def add_sweep_args(parser, arms, lrs, updates, warmup_updates, stats_interval, threads):
+    """The grid and run flags both sweeps take, with each sweep's defaults."""
+    parser.add_argument("--lrs", nargs="+", type=_positive_float, default=lrs, metavar="LR", help="peak learning rates")
     parser.add_argument(
-        "--lrs", nargs="+", type=_positive_float, default=DEFAULT_LRS, metavar="LR", help="peak learning rates"
-    )
-    parser.add_argument(
-        "--arms",
-        nargs="+",
-        choices=list(ARMS),
-        default=list(ARMS),
-        metavar="ARM",
-        help=f"attention variants: {', '.join(ARMS)}",
+        "--arms", nargs="+", choices=list(arms), default=list(arms), metavar="ARM", help=f"variants: {', '.join(arms)}"
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[1], metavar="SEED")
-    parser.add_argument("--updates", type=_positive_int, default=300, help="updates per run")
+    parser.add_argument("--updates", type=_positive_int, default=updates, help="updates per run")
     parser.add_argument(
-        "--warmup-updates", type=_positive_int, default=75, help="linear warm-up of the inverse_sqrt schedule"
+        "--warmup-updates", type=_positive_int, default=warmup_updates, help="linear warm-up of inverse_sqrt"
     )
     parser.add_argument(
         "--stats-interval",
         type=_positive_int,
-        default=10,
+        default=stats_interval,
         help="attention statistics every N updates (and at update 0 and the last)",
     )
-    parser.add_argument("--work-dir", type=Path, required=True, help="data (generated and binarized once)")
-    parser.add_argument("--out-dir", type=Path, required=True, help="results.json and the figures")
-    parser.add_argument("--threads", type=_positive_int, default=2, help="torch CPU threads")
-    args = parser.parse_args(argv)
+    parser.add_argument("--threads", type=_positive_int, default=threads, help="torch CPU threads")
+
+
+def check_sweep_args(parser, args):
     if args.warmup_updates > args.updates:
         parser.error(f"--warmup-updates {args.warmup_updates} exceeds --updates {args.updates}")
     for flag, path in (("--work-dir", args.work_dir), ("--out-dir", args.out_dir)):
         if path.exists() and not path.is_dir():
             parser.error(f"{flag} {path}: exists and is not a directory")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.lr_sweep",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_sweep_args(parser, ARMS, DEFAULT_LRS, updates=300, warmup_updates=75, stats_interval=10, threads=2)
+    parser.add_argument("--work-dir", type=Path, required=True, help="data (generated and binarized once)")
+    parser.add_argument("--out-dir", type=Path, required=True, help="results.json and the figures")
+    args = parser.parse_args(argv)
+    check_sweep_args(parser, args)
     return args
 
 
@@ -561,21 +567,23 @@ def finished_runs(results_path, settings):
     return old["runs"]
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def run_sweep(name, args, settings, command, prepare, train):
+    """Train every (seed, arm, learning rate) of args not yet in OUT/results.json, saving it after
+    each run so that a stopped sweep continues where it stopped; returns all runs and the logger."""
     settings = {
         "updates": args.updates,
         "warmup_updates": args.warmup_updates,
         "stats_interval": args.stats_interval,
-        "model": MODEL,
-        "arms": ARMS,
-        "max_tokens": MAX_TOKENS,
-        "corpus": CORPUS,
-        "stats_sentences": STATS_SENTENCES,
-        "window": WINDOW,
+        **settings,
     }
     results_path = args.out_dir / "results.json"
     runs = finished_runs(results_path, settings)
+
+    def log(message):
+        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} | INFO | {name} | {message}", flush=True)
+
+    if runs:
+        log(f"{results_path}: keeping {len(runs)} finished runs with the same settings (delete it to redo them)")
     args.work_dir.mkdir(parents=True, exist_ok=True)
     args.out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -586,7 +594,7 @@ def main(argv=None):
     import torch
 
     torch.set_num_threads(args.threads)
-    # Deprecation notices of hydra and torch that fairseq triggers once per run: not about this sweep.
+    # Deprecation notices of hydra and torch that fairseq triggers once per run: not about the sweep.
     for message in (r"(?s).*hydra\.cc", r"(?s).*'pin_memory'", r"(?s).*torch\.cuda\.amp\.autocast"):
         warnings.filterwarnings("ignore", message=message)
     import fairseq
@@ -596,14 +604,9 @@ def main(argv=None):
     for name in ("hydra", "matplotlib"):  # their DEBUG lines (hydra's setup lowers the root level)
         logging.getLogger(name).setLevel(logging.WARNING)
 
-    def log(message):
-        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} | INFO | lr_sweep | {message}", flush=True)
-
-    if runs:
-        log(f"{results_path}: keeping {len(runs)} finished runs with the same settings (delete it to redo them)")
-    bin_dir = prepare_data(args.work_dir)
+    bin_dir = prepare()
     header = {
-        "command": "python -m experiments.lr_sweep " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "command": command,
         "settings": settings,
         "machine": {
             **machine(),
@@ -612,22 +615,38 @@ def main(argv=None):
             "torch_threads": args.threads,
         },
     }
+    results_path = args.out_dir / "results.json"
     for seed in args.seeds:
         for arm in args.arms:
             for lr in args.lrs:
                 if any(r["arm"] == arm and r["lr"] == lr and r["seed"] == seed for r in runs):
                     continue
-                runs.append(
-                    train_run(bin_dir, arm, lr, seed, args.updates, args.warmup_updates, args.stats_interval, log)
-                )
+                runs.append(train(bin_dir, arm, lr, seed, args.updates, args.warmup_updates, args.stats_interval, log))
                 write_json(results_path, {**header, "runs": runs})
     write_json(results_path, {**header, "runs": runs})
+    return runs, log
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    settings = {
+        "model": MODEL,
+        "arms": ARMS,
+        "max_tokens": MAX_TOKENS,
+        "corpus": CORPUS,
+        "stats_sentences": STATS_SENTENCES,
+        "window": WINDOW,
+    }
+    command = "python -m experiments.lr_sweep " + shlex.join(sys.argv[1:] if argv is None else argv)
+    runs, log = run_sweep("lr_sweep", args, settings, command, lambda: prepare_data(args.work_dir), train_run)
     write_figures(runs, args.out_dir, args.updates)
     print(markdown_table(runs))
     if len({r["seed"] for r in runs}) > 1:
         print()
         print(seed_table(runs))
-    log(f"wrote {results_path}, {args.out_dir / 'final_loss_vs_lr.png'}, {args.out_dir / 'max_logit_vs_lr.png'}")
+    log(
+        f"wrote {args.out_dir / 'results.json'}, {args.out_dir / 'final_loss_vs_lr.png'}, {args.out_dir / 'max_logit_vs_lr.png'}"
+    )
 
 
 if __name__ == "__main__":

@@ -26,9 +26,8 @@ def length_from_g0(g0: float) -> float:
 
 
 def length_percentile(lengths, percentile: float) -> int:
-    """The `percentile`-th percentile of `lengths`, as an observed length (numpy's "lower")."""
-    if not 0 < percentile <= 100:
-        raise QKNormConfigError(f"--qk-length-percentile: expected a value in (0, 100], got {percentile}")
+    """The `percentile`-th percentile of `lengths`, as an observed length (numpy's "lower"); the
+    percentile's range is checked with the flags (check_qk_flags)."""
     lengths = np.asarray(lengths)
     if lengths.size == 0:
         raise QKNormConfigError("--qk-scale-init auto: the training split has no sentences")

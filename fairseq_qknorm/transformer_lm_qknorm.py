@@ -24,7 +24,13 @@ from omegaconf import OmegaConf
 
 from .errors import QKNormConfigError
 from .length_prior import g0_for_length, length_percentile
-from .transformer_qknorm import QKNormTransformerDecoder, add_qk_args, check_qk_flags, resolve_qk_scale_init
+from .transformer_qknorm import (
+    QKNormTransformerDecoder,
+    add_qk_args,
+    check_qk_flags,
+    resolve_qk_scale_init,
+    warn_if_g_not_positive,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +63,10 @@ class TransformerLMQKNormModel(TransformerLanguageModel):
         return cls(
             QKNormTransformerDecoder(cfg, task.target_dictionary, stock.decoder.embed_tokens, no_encoder_attn=True)
         )
+
+    def set_num_updates(self, num_updates):
+        super().set_num_updates(num_updates)
+        warn_if_g_not_positive(self, num_updates)
 
 
 def resolve_lm_qk_scale_init(args, task) -> float:

@@ -44,7 +44,7 @@ class TransformerQKNormModel(TransformerModel):
         parser.add_argument("--fixnorm", action="store_true", help="unit-length word embeddings (FixNorm)")
         parser.add_argument(
             "--word-dropout",
-            type=_probability,
+            type=_in_range("--word-dropout"),
             metavar="P",
             help="replace input tokens by <unk> with probability P while training",
         )
@@ -63,6 +63,10 @@ class TransformerQKNormModel(TransformerModel):
             # (the plugin's flags), not a DictConfig's.
             args = argparse.Namespace(**OmegaConf.to_container(args, resolve=True))
         return super().build_model(args, task)
+
+    def set_num_updates(self, num_updates):
+        super().set_num_updates(num_updates)  # fairseq's trainer calls this before every update
+        warn_if_g_not_positive(self, num_updates)
 
     def set_beam_size(self, beam_size):
         """fairseq's SequenceGenerator calls this on models that have it (fairseq's transformer has
@@ -128,7 +132,7 @@ def add_qk_args(parser, lengths):
     )
     parser.add_argument(
         "--qk-length-percentile",
-        type=_percentile,
+        type=_in_range("--qk-length-percentile"),
         metavar="P",
         help=f"percentile of {lengths} that gives L for auto (default 97.5)",
     )
@@ -145,30 +149,35 @@ def _auto_or_float(value: str):
     return float(value)
 
 
-def _percentile(value: str) -> float:
-    p = _number(value)
-    if not 0 < p <= 100:
-        raise argparse.ArgumentTypeError(f"expected a percentile in (0, 100], got {value!r}")
-    return p
-
-
-def _probability(value: str) -> float:
+# The flags with a range: argparse checks them (their type), and check_qk_flags again for values
+# that never went through argparse.
+RANGES = {
+    "--qk-length-percentile": ("a percentile in (0, 100]", lambda x: 0 < x <= 100),
     # p = 1 would replace every input token by <unk>: nothing would be left to translate.
-    p = _number(value)
-    if not 0 <= p < 1:
-        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), got {value!r}")
-    return p
+    "--word-dropout": ("a probability in [0, 1)", lambda x: 0 <= x < 1),
+}
+
+
+def _in_range(flag):
+    """The argparse type of a flag of RANGES."""
+    expected, ok = RANGES[flag]
+
+    def parse(value: str) -> float:
+        x = _number(value)
+        if not ok(x):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value!r}")
+        return x
+
+    return parse
 
 
 def check_qk_flags(args):
     """The checks of add_args's types, again for values that never went through argparse
     (fairseq-hydra-train's config, a saved Namespace), and those that need two flags."""
-    percentile = getattr(args, "qk_length_percentile", 97.5)
-    if not 0 < _number(percentile) <= 100:
-        raise QKNormConfigError(f"--qk-length-percentile: expected a percentile in (0, 100], got {percentile!r}")
-    word_dropout = getattr(args, "word_dropout", 0.0)
-    if not 0 <= _number(word_dropout) < 1:
-        raise QKNormConfigError(f"--word-dropout: expected a probability in [0, 1), got {word_dropout!r}")
+    for flag, (expected, ok) in RANGES.items():
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None and not ok(_number(value)):
+            raise QKNormConfigError(f"{flag}: expected {expected}, got {value!r}")
     if getattr(args, "qk_scale_per_head", False):
         if args.qk_scale == "none":
             raise QKNormConfigError(
@@ -205,18 +214,18 @@ def resolve_qk_scale_init(args, task) -> float:
     return g0
 
 
-def warn_if_g_not_positive(module, prefix, num_updates):
+def warn_if_g_not_positive(model, num_updates):
     """Log once per learned g that has reached g <= 0: the flags only guard its initial value, and
     training (a high learning rate, weight decay) can still push it there."""
-    gs = {name: p for name, p in module.named_parameters() if name.endswith("qk_scale.g")}
+    gs = {name: p for name, p in model.named_parameters() if name.endswith("qk_scale.g")}
     if not gs or torch.stack([g.detach().min() for g in gs.values()]).min().item() > 0:  # one sync an update
         return
-    warned = module.__dict__.setdefault("_warned_nonpositive_g", set())
+    warned = model.__dict__.setdefault("_warned_nonpositive_g", set())
     for name, g in gs.items():
         if name not in warned and g.detach().min().item() <= 0:
             warned.add(name)
             logger.warning(
-                f"qk-norm: the learned g {prefix}{name} is {g.detach().min().item():.4g} at update "
+                f"qk-norm: the learned g {name} is {g.detach().min().item():.4g} at update "
                 f"{num_updates}: g <= 0 turns attention towards the least similar keys (lower the "
                 "learning rate, or the weight decay on g)"
             )
@@ -291,10 +300,6 @@ class QKNormTransformerEncoder(TransformerEncoderBase):
     def build_encoder_layer(self, cfg):
         return wrap_layer(QKNormEncoderLayer(cfg), cfg)
 
-    def set_num_updates(self, num_updates):
-        super().set_num_updates(num_updates)
-        warn_if_g_not_positive(self, "encoder.", num_updates)
-
     def forward_embedding(self, src_tokens, token_embedding=None):
         src_tokens = word_dropout(src_tokens, self.word_dropout, self.dictionary, self.training)
         return super().forward_embedding(src_tokens, token_embedding)
@@ -309,10 +314,6 @@ class QKNormTransformerDecoder(TransformerDecoderBase):
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         return wrap_layer(QKNormDecoderLayer(cfg, no_encoder_attn), cfg)
-
-    def set_num_updates(self, num_updates):
-        # fairseq's trainer calls this on every module of the model before each update.
-        warn_if_g_not_positive(self, "decoder.", num_updates)
 
     def build_output_projection(self, cfg, dictionary, embed_tokens):
         super().build_output_projection(cfg, dictionary, embed_tokens)

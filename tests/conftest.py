@@ -31,34 +31,18 @@ TINY_MODEL = [
     "--decoder-attention-heads",
     "4",
 ]
-TRAIN_FLAGS = [
-    "--optimizer",
-    "adam",
-    "--lr",
-    "0.003",
-    "--lr-scheduler",
-    "inverse_sqrt",
-    "--warmup-updates",
-    "20",
-    "--criterion",
-    "label_smoothed_cross_entropy",
-    "--label-smoothing",
-    "0.1",
-    "--max-tokens",
-    "1500",
-    "--required-batch-size-multiple",
-    "1",
-    "--cpu",
-    "--seed",
-    "1",
-    "--log-format",
-    "simple",
-    "--log-interval",
-    "5",
-    "--no-epoch-checkpoints",
-    "--num-workers",
-    "0",
+# fmt: off
+# What every test training shares: Adam, one seed, the CPU, fairseq's simple log every 5 updates.
+COMMON_TRAIN_FLAGS = [
+    "--optimizer", "adam", "--lr", "0.003", "--required-batch-size-multiple", "1", "--cpu", "--seed", "1",
+    "--log-format", "simple", "--log-interval", "5", "--no-epoch-checkpoints", "--num-workers", "0",
 ]
+TRAIN_FLAGS = [
+    "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "20",
+    "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--max-tokens", "1500",
+    *COMMON_TRAIN_FLAGS,
+]
+# fmt: on
 
 
 def run(cmd, check=True, **kwargs):
@@ -138,10 +122,24 @@ def toy_bin(toy_raw, tmp_path_factory):
     return d
 
 
-def train(data_bin, save_dir, arch="transformer_qknorm", extra=(), max_update=40, model=TINY_MODEL, cpu=True, **kwargs):
-    flags = TRAIN_FLAGS if cpu else [f for f in TRAIN_FLAGS if f != "--cpu"]
+def train(
+    data_bin,
+    save_dir,
+    arch="transformer_qknorm",
+    extra=(),
+    max_update=40,
+    model=TINY_MODEL,
+    cpu=True,
+    flags=TRAIN_FLAGS,
+    launcher=(),
+    **kwargs,
+):
+    """fairseq-train (behind launcher, e.g. torchrun) with the plugin, ARCH and the MODEL and
+    training FLAGS, for MAX_UPDATE updates into SAVE_DIR; EXTRA flags last."""
+    flags = flags if cpu else [f for f in flags if f != "--cpu"]
     return run(
         [
+            *launcher,
             tool("fairseq-train"),
             data_bin,
             "--user-dir",
@@ -158,6 +156,12 @@ def train(data_bin, save_dir, arch="transformer_qknorm", extra=(), max_update=40
         ],
         **kwargs,
     )
+
+
+def decode(command, data, checkpoint, flags, **kwargs):
+    """fairseq-generate, fairseq-interactive or fairseq-eval-lm on DATA with the plugin and a
+    checkpoint; FLAGS as on a command line."""
+    return run([tool(command), data, "--user-dir", USER_DIR, "--path", checkpoint, *flags.split()], **kwargs)
 
 
 @pytest.fixture(scope="session")

@@ -45,32 +45,13 @@ def test_trains_one_update_at_its_own_size(arch, toy_bin, tmp_path):
 
 
 def test_paper_arms_differ_only_in_norm_and_attention():
-    qk, _ = build_model(
-        "transformer_qknorm_paper_glen",
-        qk_scale_init=12.0,
-        encoder_embed_dim=512,
-        decoder_embed_dim=512,
-        encoder_ffn_embed_dim=2048,
-        decoder_ffn_embed_dim=2048,
-        encoder_layers=None,
-        decoder_layers=None,
-        encoder_attention_heads=None,
-        decoder_attention_heads=None,
-        dropout=None,
+    # the architectures' own layers, heads and dropout; paper width
+    paper = dict(encoder_embed_dim=512, decoder_embed_dim=512, encoder_ffn_embed_dim=2048, decoder_ffn_embed_dim=2048)
+    own = dict.fromkeys(
+        ["encoder_layers", "decoder_layers", "encoder_attention_heads", "decoder_attention_heads", "dropout"]
     )
-    base, _ = build_model(
-        "transformer_scalenorm_paper_glen",
-        qk_scale_init=12.0,
-        encoder_embed_dim=512,
-        decoder_embed_dim=512,
-        encoder_ffn_embed_dim=2048,
-        decoder_ffn_embed_dim=2048,
-        encoder_layers=None,
-        decoder_layers=None,
-        encoder_attention_heads=None,
-        decoder_attention_heads=None,
-        dropout=None,
-    )
+    qk, _ = build_model("transformer_qknorm_paper_glen", qk_scale_init=12.0, **paper, **own)
+    base, _ = build_model("transformer_scalenorm_paper_glen", qk_scale_init=12.0, **paper, **own)
     for model in (qk, base):
         assert len(model.encoder.layers) == 4 and len(model.decoder.layers) == 4
         assert model.encoder.layers[0].self_attn.num_heads == 4

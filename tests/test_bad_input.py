@@ -207,6 +207,7 @@ def test_the_parser_keeps_values_the_technique_can_mean(capsys):
         (dict(qk_scale="fixed", qk_scale_init=0.0), "--qk-scale-init: expected 'auto' or a positive finite number"),
         (dict(word_dropout=1.0), "--word-dropout: expected a probability in [0, 1), got 1.0"),
         (dict(qk_length_percentile=0.0), "--qk-length-percentile: expected a percentile in (0, 100], got 0.0"),
+        (dict(qk_length_percentile=100.5), "--qk-length-percentile: expected a percentile in (0, 100], got 100.5"),
         # two flags that together mean nothing
         (
             dict(qk_scale_per_head=True, encoder_attention_heads=1, decoder_attention_heads=1),
@@ -254,19 +255,27 @@ def test_fairseq_train_ends_with_one_line(toy_bin, tmp_path, flags, expected):
     assert proc.stderr.strip().splitlines()[-1] == expected, proc.stderr[-2000:]
 
 
-def test_a_learned_g_at_or_below_zero_is_logged_once(caplog):
+@pytest.mark.parametrize(
+    "arch, module",
+    [
+        ("transformer_qknorm", "decoder.layers.1.encoder_attn"),
+        ("transformer_qknorm", "encoder.layers.0.self_attn"),
+        ("transformer_lm_qknorm_gpt2_tiny", "decoder.layers.1.self_attn"),
+    ],
+)
+def test_a_learned_g_at_or_below_zero_is_logged_once(caplog, arch, module):
     import torch
     from conftest import build_model
 
-    model, _ = build_model()
+    model, _ = build_model(arch, decoder_attention_heads=4)
     with torch.no_grad():
-        model.decoder.layers[1].encoder_attn.qk_scale.g.fill_(-0.25)
+        model.get_submodule(module).qk_scale.g.fill_(-0.25)
     with caplog.at_level("WARNING"):
-        model.set_num_updates(7)  # what fairseq's task calls before every update
+        model.set_num_updates(7)  # what fairseq's trainer calls before every update
         model.set_num_updates(8)
     warnings = [r.getMessage() for r in caplog.records if "learned g" in r.getMessage()]
     assert warnings == [
-        "qk-norm: the learned g decoder.layers.1.encoder_attn.qk_scale.g is -0.25 at update 7: "
+        f"qk-norm: the learned g {module}.qk_scale.g is -0.25 at update 7: "
         "g <= 0 turns attention towards the least similar keys (lower the learning rate, or "
         "the weight decay on g)"
     ]

@@ -9,7 +9,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import TINY_MODEL, USER_DIR, run, tool, train
+from conftest import TINY_MODEL, USER_DIR, decode, run, tool, train
 
 import fairseq_qknorm  # noqa: F401  (allow-lists fairseq checkpoint classes for torch.load)
 
@@ -71,24 +71,11 @@ def test_resume_from_checkpoint_last(trained, tmp_path):
 
 def test_generate_beam4_translates_every_sentence(trained, toy_raw):
     data, save = trained
-    proc = run(
-        [
-            tool("fairseq-generate"),
-            data,
-            "--user-dir",
-            USER_DIR,
-            "--path",
-            save / "checkpoint_best.pt",
-            "--beam",
-            "4",
-            "--batch-size",
-            "16",
-            "--required-batch-size-multiple",
-            "1",
-            "--remove-bpe",
-            "sentencepiece",
-            "--cpu",
-        ]
+    proc = decode(
+        "fairseq-generate",
+        data,
+        save / "checkpoint_best.pt",
+        "--beam 4 --batch-size 16 --required-batch-size-multiple 1 --remove-bpe sentencepiece --cpu",
     )
     hyps = hypotheses(proc.stdout)
     n_test = len((toy_raw / "test.src").read_text().splitlines())
@@ -99,22 +86,11 @@ def test_generate_beam4_translates_every_sentence(trained, toy_raw):
 def test_interactive_translates_stdin(trained, toy_bin):
     data, save = trained
     lines = (toy_bin / "test.sp.src").read_text().splitlines()[:3]
-    proc = run(
-        [
-            tool("fairseq-interactive"),
-            data,
-            "--user-dir",
-            USER_DIR,
-            "--path",
-            save / "checkpoint_best.pt",
-            "--beam",
-            "4",
-            "--source-lang",
-            "src",
-            "--target-lang",
-            "tgt",
-            "--cpu",
-        ],
+    proc = decode(
+        "fairseq-interactive",
+        data,
+        save / "checkpoint_best.pt",
+        "--beam 4 --source-lang src --target-lang tgt --cpu",
         input="\n".join(lines) + "\n",
     )
     assert sorted(hypotheses(proc.stdout)) == [0, 1, 2]

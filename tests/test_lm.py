@@ -12,66 +12,25 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import USER_DIR, build_model, run, tool
+from conftest import COMMON_TRAIN_FLAGS, USER_DIR, build_model, decode, run, tool, train
 from test_distributed import RECORD_G, read_records
 
 import fairseq_qknorm  # noqa: F401  (registers the model; allow-lists checkpoint classes)
 
 ARCH = "transformer_lm_qknorm_gpt2_tiny"
 TOKENS_PER_SAMPLE = 48
-LM_FLAGS = [
-    "--task",
-    "language_modeling",
-    "--user-dir",
-    USER_DIR,
-    "--decoder-attention-heads",
-    "4",
-    "--tokens-per-sample",
-    str(TOKENS_PER_SAMPLE),
-    "--dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--optimizer",
-    "adam",
-    "--lr",
-    "0.003",
-    "--max-tokens",
-    "1024",
-    "--required-batch-size-multiple",
-    "1",
-    "--cpu",
-    "--seed",
-    "1",
-    "--log-format",
-    "simple",
-    "--log-interval",
-    "5",
-    "--no-epoch-checkpoints",
-    "--num-workers",
-    "0",
+# fmt: off
+LM_MODEL = [
+    "--task", "language_modeling", "--decoder-attention-heads", "4", "--tokens-per-sample", str(TOKENS_PER_SAMPLE),
+    "--dropout", "0", "--attention-dropout", "0",
 ]
+# fmt: on
+LM_FLAGS = ["--max-tokens", "1024", *COMMON_TRAIN_FLAGS]
 
 
 def train_lm(data, save, *extra, arch=ARCH, updates=4, break_mode="eos", launcher=(), **kwargs):
-    return run(
-        [
-            *launcher,
-            tool("fairseq-train"),
-            data,
-            "--arch",
-            arch,
-            *LM_FLAGS,
-            "--sample-break-mode",
-            break_mode,
-            "--max-update",
-            str(updates),
-            "--save-dir",
-            save,
-            *extra,
-        ],
-        **kwargs,
-    )
+    extra = ["--sample-break-mode", break_mode, *extra]
+    return train(data, save, arch, extra, updates, LM_MODEL, flags=LM_FLAGS, launcher=launcher, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -174,22 +133,11 @@ def test_training_learns_and_the_checkpoint_holds_one_g_per_layer(lm):
 def test_eval_lm_perplexity_equals_the_validation_perplexity(lm, lm_bin):
     save, log = lm
     best = min(float(m) for m in re.findall(r"valid on 'valid' subset \| loss [\d.]+ \| ppl ([\d.]+)", log))
-    out = run(
-        [
-            tool("fairseq-eval-lm"),
-            lm_bin,
-            "--user-dir",
-            USER_DIR,
-            "--path",
-            save / "checkpoint_best.pt",
-            "--cpu",
-            "--sample-break-mode",
-            "eos",
-            "--gen-subset",
-            "valid",
-            "--max-tokens",
-            "1024",
-        ]
+    out = decode(
+        "fairseq-eval-lm",
+        lm_bin,
+        save / "checkpoint_best.pt",
+        "--cpu --sample-break-mode eos --gen-subset valid --max-tokens 1024",
     )
     ppl = float(re.search(r"Perplexity: ([\d.]+)", out.stdout + out.stderr).group(1))
     assert ppl == pytest.approx(best, abs=0.01)
@@ -364,20 +312,11 @@ def test_a_poisoned_lm_checkpoint_is_refused(lm, lm_bin, tmp_path):
     marker = tmp_path / "PWNED"
     state["extra_state"]["payload"] = RunsACommand(marker)
     torch.save(state, tmp_path / "poisoned.pt")
-    proc = run(
-        [
-            tool("fairseq-eval-lm"),
-            lm_bin,
-            "--user-dir",
-            USER_DIR,
-            "--path",
-            tmp_path / "poisoned.pt",
-            "--cpu",
-            "--gen-subset",
-            "valid",
-            "--max-tokens",
-            "1024",
-        ],
+    proc = decode(
+        "fairseq-eval-lm",
+        lm_bin,
+        tmp_path / "poisoned.pt",
+        "--cpu --gen-subset valid --max-tokens 1024",
         check=False,
     )
     assert_refused(proc, marker)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import USER_DIR, run, tool, train
+from conftest import USER_DIR, decode, run, tool, train
 
 import fairseq_qknorm  # noqa: F401
 
@@ -105,18 +105,11 @@ def test_the_built_fairseq_runs_the_payload_without_the_plugin(trained, fairseq_
 def test_generate_refuses(trained, poisoned, fairseq_env):
     data, _ = trained
     d, marker = poisoned
-    proc = run(
-        [
-            tool("fairseq-generate"),
-            data,
-            "--user-dir",
-            USER_DIR,
-            "--path",
-            d / "checkpoint_last.pt",
-            "--cpu",
-            "--required-batch-size-multiple",
-            "1",
-        ],
+    proc = decode(
+        "fairseq-generate",
+        data,
+        d / "checkpoint_last.pt",
+        "--cpu --required-batch-size-multiple 1",
         env=fairseq_env,
         check=False,
     )
@@ -126,20 +119,11 @@ def test_generate_refuses(trained, poisoned, fairseq_env):
 def test_interactive_refuses(trained, poisoned, fairseq_env):
     data, _ = trained
     d, marker = poisoned
-    proc = run(
-        [
-            tool("fairseq-interactive"),
-            data,
-            "--user-dir",
-            USER_DIR,
-            "--path",
-            d / "checkpoint_last.pt",
-            "--cpu",
-            "--source-lang",
-            "src",
-            "--target-lang",
-            "tgt",
-        ],
+    proc = decode(
+        "fairseq-interactive",
+        data,
+        d / "checkpoint_last.pt",
+        "--cpu --source-lang src --target-lang tgt",
         input="a b c\n",
         env=fairseq_env,
         check=False,
@@ -225,20 +209,11 @@ def test_checkpoint_averaging_of_a_fairseq_checkout_refuses(trained, poisoned, f
 
 def test_a_normal_checkpoint_loads(trained, fairseq_env):
     data, save = trained
-    run(
-        [
-            tool("fairseq-generate"),
-            data,
-            "--user-dir",
-            USER_DIR,
-            "--path",
-            save / "checkpoint_best.pt",
-            "--cpu",
-            "--required-batch-size-multiple",
-            "1",
-            "--max-sentences",
-            "8",
-        ],
+    decode(
+        "fairseq-generate",
+        data,
+        save / "checkpoint_best.pt",
+        "--cpu --required-batch-size-multiple 1 --max-sentences 8",
         env=fairseq_env,
     )
     proc = hub_load(data, save, "checkpoint_best.pt", fairseq_env)
