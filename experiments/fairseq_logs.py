@@ -19,7 +19,8 @@ def parse_valid_line(line):
 def parse_train_log(path):
     """What fairseq-train's simple-format log says: parameters, updates, dev BLEU per validation
     (dev_bleu: [updates, BLEU]; dev: [updates, loss, BLEU]), why training stopped, and the plugin's
-    L and g0 when `--qk-scale-init auto` resolved them."""
+    L and g0 when `--qk-scale-init auto` resolved them, and the updates at which a restarted
+    fairseq-train resumed from its checkpoint_last.pt (resumed_at)."""
     out = {
         "params": None,
         "updates": None,
@@ -29,6 +30,7 @@ def parse_train_log(path):
         "stopped_by": None,
         "L": None,
         "g0": None,
+        "resumed_at": [],
     }
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
@@ -46,6 +48,9 @@ def parse_train_log(path):
             m = re.search(r"qk-norm: L=(\d+) .* g0=log2\(L\^2-L\)=([\d.]+)", line)
             if m:
                 out["L"], out["g0"] = int(m.group(1)), float(m.group(2))
+            m = re.search(r"Loaded checkpoint .* \(epoch \d+ @ (\d+) updates\)", line)
+            if m and int(m.group(1)) > 0:
+                out["resumed_at"].append(int(m.group(1)))
             if "stopping training" in line.lower():  # --stop-min-lr, --stop-time-hours, --patience
                 out["stopped_by"] = line.split("|")[-1].strip()
     return out

@@ -116,7 +116,8 @@ def record(args):
         "L": log["L"],
         "g0": log["g0"],
         "params": log["params"],
-        "train_seconds": seconds,
+        "train_seconds": seconds,  # of the last fairseq-train process: after its resume, if any
+        "resumed_at_updates": log["resumed_at"],
         "threads": int(os.environ.get("OMP_NUM_THREADS", "0")) or None,
         "preset": args.preset,
         "train_command": train_command(read_commands(args.commands), args.arm_dir) if args.commands else None,

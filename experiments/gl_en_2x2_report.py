@@ -150,11 +150,15 @@ def cell_table(runs):
             return f"{statistics.mean(values):.2f}{sd}"
 
         per_seed = ", ".join(f"{r['seed']}: {r['test_bleu']:.2f}" for r in rs)
-        minutes = statistics.mean(r["train_seconds"] for r in rs) / 60
+        # a resumed run's train_seconds cover only the part after its resume
+        whole = [r["train_seconds"] for r in rs if not r.get("resumed_at_updates")]
+        minutes = f"{statistics.mean(whole) / 60:.0f} min" if whole else "-"
+        if len(whole) < len(rs):
+            minutes += f" ({len(rs) - len(whole)} resumed left out)"
         lines.append(
             f"| {NAMES[cell]} | {len(rs)} | {mean_sd('test_bleu')} | {mean_sd('test_chrf')} "
             f"| {statistics.mean(r['best_dev_bleu'] for r in rs):.2f} | {per_seed} "
-            f"| {', '.join(sorted({str(r['updates']) for r in rs}))} | {minutes:.0f} min |"
+            f"| {', '.join(sorted({str(r['updates']) for r in rs}))} | {minutes} |"
         )
     return lines
 
@@ -316,6 +320,23 @@ def write_report(records, data_dir):
         "used at times: the training times say how long a run took there, not what a run costs.",
         "",
     ]
+    resumed = [r for r in runs if r.get("resumed_at_updates")]
+    if resumed:
+        md += [
+            "Resumed runs: a campaign stopped mid-run continues from the run's checkpoint_last.pt, as",
+            "fairseq-train does when restarted on the same --save-dir. Resumed here: "
+            + "; ".join(
+                f"{NAMES[r['norm'], r['attention']]}, seed {r['seed']}, at update "
+                + " and again at ".join(str(u) for u in r["resumed_at_updates"])
+                for r in sorted(resumed, key=lambda r: (r["seed"], CELLS.index((r["norm"], r["attention"]))))
+            )
+            + ". fairseq restores the weights, the optimizer and the data position, so such a run trains",
+            "the same number of updates on the same batches; it is not bit-identical to an uninterrupted run",
+            "(fairseq-train seeds torch's random state from --seed when it starts, so dropout draws other",
+            "masks after a resume), and its train time counts only the part after the last resume, so the",
+            "table leaves it out of the mean.",
+            "",
+        ]
     if runs:
         dev_figure(records, runs)
     write_text(os.path.join(records, "README.md"), "\n".join(md))

@@ -123,3 +123,16 @@ def test_report_names_every_cell_and_refuses_other_references(tmp_path):
     assert json.loads((records / "runs.json").read_text()) == sorted(
         runs, key=lambda r: (r["seed"], CELLS.index((r["norm"], r["attention"])))
     )
+
+
+def test_train_log_names_the_updates_a_restarted_run_resumed_at(tmp_path):
+    from experiments.fairseq_logs import parse_train_log
+
+    log = tmp_path / "train.log"
+    log.write_text(
+        "2026-12-01 16:19:58 | INFO | fairseq.trainer | No existing checkpoint found ckpt/checkpoint_last.pt\n"
+        "2026-12-01 16:20:01 | INFO | fairseq.trainer | Loaded checkpoint ckpt/checkpoint_last.pt (epoch 1 @ 0 updates)\n"
+        "2026-12-01 16:20:01 | INFO | fairseq.trainer | Loaded checkpoint ckpt/checkpoint_last.pt (epoch 2 @ 136 updates)\n"
+        "2026-12-01 17:05:35 | INFO | fairseq.trainer | Loaded checkpoint ckpt/checkpoint_last.pt (epoch 6 @ 680 updates)\n"
+    )
+    assert parse_train_log(log)["resumed_at"] == [136, 680]
