@@ -38,11 +38,17 @@ class UnitNormOutputProjection(nn.Module):
         return self._project(rows).view(*features.shape[:-1], -1)
 
     def _project(self, features):
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or self.training:
             return F.linear(features, F.normalize(self.weight, dim=-1))
-        # Inference (beam search calls this once per step): normalize the matrix once per version
-        # of the weight; an update or a load_state_dict bumps the version and so refreshes it.
+        # Inference (beam search calls this once per step): normalize the matrix once, until the
+        # weight changes. load_state_dict and in-place updates of the parameter bump its version;
+        # fairseq's optimizers update `p.data`, which does not, but they step in training mode,
+        # and train()/eval() drop the cache.
         version = (self.weight.data_ptr(), self.weight._version)
         if self._unit_weight_of != version:
             self._unit_weight, self._unit_weight_of = F.normalize(self.weight, dim=-1), version
         return F.linear(features, self._unit_weight)
+
+    def train(self, mode=True):
+        self._unit_weight, self._unit_weight_of = None, None
+        return super().train(mode)

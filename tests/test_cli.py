@@ -49,6 +49,36 @@ def test_train_logs_L_and_g0_and_saves_g0(trained):
     assert any(abs(v.item() - g0) > 1e-4 for v in gs.values()), "g did not learn"
 
 
+def test_the_dev_loss_in_the_log_is_the_loss_of_the_saved_model(trained):
+    """fairseq-train validates the model it is training (the paper's system: a FixNorm output
+    projection, which caches its unit matrix for inference) after several epochs of updates;
+    fairseq-validate, in a new process, loads the last checkpoint. They must see the same model."""
+    data, save = trained
+    logged = re.findall(r"valid on 'valid' subset \| loss ([\d.]+)", (save / "train.log").read_text())
+    assert len(logged) >= 3, "needs validations after several epochs of updates"
+    proc = run(
+        [
+            tool("fairseq-validate"),
+            data,
+            "--task",
+            "translation",
+            "--user-dir",
+            USER_DIR,
+            "--path",
+            save / "checkpoint_last.pt",
+            "--cpu",
+            "--max-tokens",
+            "1500",
+            "--required-batch-size-multiple",  # the batches fairseq-train validated on
+            "1",
+            "--num-workers",
+            "0",
+        ]
+    )
+    (fresh,) = re.findall(r"valid on 'valid' subset \| loss ([\d.]+)", proc.stdout + proc.stderr)
+    assert float(logged[-1]) == pytest.approx(float(fresh), abs=0.001)
+
+
 def test_checkpoint_needs_the_plugin_to_load_safely(trained):
     """Without the plugin's allow-list torch refuses the checkpoint; with it, it loads. No
     environment variable or weights_only=False is involved."""

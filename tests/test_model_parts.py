@@ -34,25 +34,37 @@ def test_fixnorm_embeddings_and_tied_projection_are_unit_length():
 
 
 def test_fixnorm_projection_caches_the_unit_matrix_only_while_the_weight_is_unchanged():
+    from fairseq.optim.adam import Adam  # fairseq's own: it updates p.data, leaving p._version alone
+
     model, d = build_model("transformer_qknorm_paper", word_dropout=0.0)
     proj = model.decoder.output_projection
     features = torch.randn(2, 3, proj.weight.size(1))
+    optimizer = Adam(model.parameters(), lr=0.1)
 
     def want():
         return features @ (proj.weight / proj.weight.norm(dim=-1, keepdim=True)).T
 
+    def validate():  # as fairseq's trainer validates: eval mode, no gradients
+        model.eval()
+        with torch.no_grad():
+            return proj(features)
+
+    torch.testing.assert_close(validate(), want())
+    cached = proj._unit_weight
     with torch.no_grad():
-        torch.testing.assert_close(proj(features), want())
-        cached = proj._unit_weight
         proj(features)
-        assert proj._unit_weight is cached  # not renormalized at every decoding step
-        proj.weight.mul_(torch.rand_like(proj.weight) + 0.5)  # an update, as an optimizer step does
-        torch.testing.assert_close(proj(features), want())
+    assert proj._unit_weight is cached  # not renormalized at every decoding step
+    for _ in range(2):  # a training step, as fairseq's trainer takes it, then validation again
+        model.train()
+        out = proj(features)  # training: no cache, gradients flow to the weight
+        out.pow(2).sum().backward()
+        assert proj.weight.grad is not None
+        optimizer.step()
+        optimizer.zero_grad()
+        torch.testing.assert_close(validate(), want())
+    with torch.no_grad():
         model.load_state_dict(build_model("transformer_qknorm_paper", word_dropout=0.0)[0].state_dict())
         torch.testing.assert_close(proj(features), want())
-    out = proj(features)  # training: no cache, gradients flow to the weight
-    out.sum().backward()
-    assert proj.weight.grad is not None
 
 
 def test_word_dropout_replaces_only_ordinary_tokens_and_only_in_training():
