@@ -383,10 +383,11 @@ train_arm() {
     fi
 }
 
-# Translate the test set with the best checkpoint (beam 4), undo sentencepiece: DIR/test.hyp.
+# generate_arm DIR [CHECKPOINT]: translate the test set with DIR/checkpoints/CHECKPOINT (default
+# checkpoint_best.pt; beam 4), undo sentencepiece: DIR/test.hyp.
 generate_arm() {
-    local dir=$1 n_hyp n_src status=0 skipped
-    run_logged fairseq-generate "$WORK/bin" --user-dir "$USER_DIR" --path "$dir/checkpoints/checkpoint_best.pt" \
+    local dir=$1 checkpoint=${2:-checkpoint_best.pt} n_hyp n_src status=0 skipped
+    run_logged fairseq-generate "$WORK/bin" --user-dir "$USER_DIR" --path "$dir/checkpoints/$checkpoint" \
         --source-lang "$SRC" --target-lang "$TGT" --gen-subset test \
         --beam "$BEAM" --lenpen "$LENPEN" --max-len-a 1 --max-len-b "$MAX_LEN_B" --batch-size 64 --required-batch-size-multiple 1 \
         --skip-invalid-size-inputs-valid-test $DEVICE_FLAGS > "$dir/generate.out" 2> "$dir/generate.log" || status=$?

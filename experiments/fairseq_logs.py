@@ -54,3 +54,16 @@ def parse_train_log(path):
             if "stopping training" in line.lower():  # --stop-min-lr, --stop-time-hours, --patience
                 out["stopped_by"] = line.split("|")[-1].strip()
     return out
+
+
+def train_loss_curve(path):
+    """[[updates, training loss]] from fairseq-train's train_inner lines. A resumed run logs some
+    updates twice: the later line is the one on the path to the final model."""
+    by_update = {}
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if "| train_inner |" in line:
+                loss, updates = re.search(r" loss=([\d.]+)", line), re.search(r"num_updates=(\d+)", line)
+                if loss and updates:
+                    by_update[int(updates.group(1))] = float(loss.group(1))
+    return [[u, by_update[u]] for u in sorted(by_update)]

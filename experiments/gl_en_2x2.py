@@ -6,12 +6,13 @@
         scores DIR/test.hyp against DATA_DIR/test.en, copies it into RECORDS and appends one entry
         to RECORDS/runs.json (under a lock: two runs finish at the same time)
     python -m experiments.gl_en_2x2 report RECORDS --data DATA_DIR
-        writes RECORDS/README.md and RECORDS/dev-curves.png from runs.json and the hypotheses
+        writes RECORDS/README.md and RECORDS/training-curves.png from runs.json and the hypotheses
 
 A record holds what the report needs: test BLEU (sacrebleu, --tokenize none, the paper's tokenized
-BLEU on the Moses-tokenized release) and chrF, the dev curve from fairseq-train's log, the learned g
-of every attention module, the training time and command, and the sha1 of every data file, so runs
-on other data are never mixed into one table.
+BLEU on the Moses-tokenized release) and chrF of the scored checkpoint (on the CPU the model at the budget's end,
+checkpoint_last.pt: every run is scored after the same number of updates), the dev and training-loss curves from
+fairseq-train's log, the learned g of every attention module, the training time and command, and
+the sha1 of every data file, so runs on other data are never mixed into one table.
 """
 
 import argparse
@@ -22,7 +23,7 @@ import os
 import shutil
 from contextlib import contextmanager
 
-from experiments.fairseq_logs import parse_train_log
+from experiments.fairseq_logs import parse_train_log, train_loss_curve
 from experiments.results import read_commands, train_command
 from fairseq_qknorm_cli.files import atomic_path, fail, write_text
 
@@ -87,6 +88,15 @@ def learned_g(checkpoint):
     }
 
 
+def scored_dev(dev, checkpoint):
+    """[updates, dev loss, dev BLEU] of the validation of the scored checkpoint: fairseq-train
+    validates at --max-update, and checkpoint_best.pt is the first validation with the best BLEU."""
+    if checkpoint == "checkpoint_last.pt":
+        return dev[-1]
+    best = max(b for _, _, b in dev)
+    return next(d for d in dev if d[2] == best)
+
+
 def record(args):
     from fairseq_qknorm_cli.score import ScoreError, score_systems
 
@@ -110,9 +120,12 @@ def record(args):
         "test_bleu_13a": round(scores["13a"]["bleu"], 2),
         "test_chrf": round(scores["13a"]["chrf"], 2),
         "best_dev_bleu": max(b for _, _, b in log["dev"]),
+        "scored_dev": scored_dev(log["dev"], args.checkpoint),
+        "checkpoint": args.checkpoint,
         "hyp": hyp_name(args.norm, args.attention, args.seed),
         "dev": log["dev"],
-        "g": learned_g(os.path.join(args.arm_dir, "checkpoints", "checkpoint_best.pt")),
+        "train_loss": train_loss_curve(os.path.join(args.arm_dir, "train.log")),
+        "g": learned_g(os.path.join(args.arm_dir, "checkpoints", args.checkpoint)),
         "L": log["L"],
         "g0": log["g0"],
         "params": log["params"],
@@ -137,7 +150,7 @@ def record(args):
         write_runs(args.records, runs + [entry])
     print(
         f"{args.norm} + {args.attention}, seed {args.seed}: test BLEU {entry['test_bleu']:.2f}, "
-        f"chrF {entry['test_chrf']:.2f}, best dev BLEU {entry['best_dev_bleu']:.2f}, {entry['updates']} updates"
+        f"chrF {entry['test_chrf']:.2f}, dev BLEU {entry['scored_dev'][2]:.2f}, {entry['updates']} updates"
     )
 
 
@@ -160,6 +173,12 @@ def main(argv=None):
     r.add_argument("--data", required=True, help="the plain-text corpus: {train,dev,test}.{gl,en}")
     r.add_argument("--preset", required=True)
     r.add_argument("--commands", help="the recipe's WORK/commands.sh (for the training command)")
+    r.add_argument(
+        "--checkpoint",
+        choices=("checkpoint_last.pt", "checkpoint_best.pt"),
+        default="checkpoint_last.pt",
+        help="the checkpoint DIR/test.hyp was translated with (default: checkpoint_last.pt)",
+    )
     t = sub.add_parser("report")
     t.add_argument("records")
     t.add_argument("--data", required=True, help="the plain-text corpus the runs were scored on (its test.en)")

@@ -1,4 +1,4 @@
-"""The report of the gl-en 2x2 (README.md and dev-curves.png beside runs.json): the four cells,
+"""The report of the gl-en 2x2 (README.md and training-curves.png beside runs.json): the four cells,
 the two main effects and their interaction, each with two 95% intervals.
 
 - Over seeds: each seed gives one estimate of an effect (its four runs); the interval is the mean
@@ -19,7 +19,7 @@ import statistics
 
 import numpy as np
 
-from experiments.gl_en_2x2 import CELLS, TGT, read_runs, sha1
+from experiments.gl_en_2x2 import CELLS, TGT, read_runs, scored_dev, sha1
 from fairseq_qknorm_cli.files import fail, write_text
 from fairseq_qknorm_cli.score import read_lines
 
@@ -110,18 +110,29 @@ def pooled_bootstrap(stats, metric):
     return {name: (point[name], *np.percentile(draws[name], [2.5, 97.5])) for name in EFFECTS}
 
 
-def dev_figure(records, runs):
+def training_figure(records, runs):
+    """The cells' training loss (mean over seeds, smoothed over 100 updates) beside every run's
+    test and dev BLEU."""
     from fairseq_qknorm_cli import plots
 
     plots.require_matplotlib()
-    curves = [
-        (f"{SHORT[r['norm'], r['attention']]}, seed {r['seed']}", r["seed"] > 1, r["dev"])
-        for r in sorted(runs, key=lambda r: (CELLS.index((r["norm"], r["attention"])), r["seed"]))
-    ]
-    return plots.dev_curves(
-        os.path.join(records, "dev-curves.png"),
-        "TED gl-en, the 2x2: dev loss and dev BLEU at each validation (seed 1 solid, later seeds dashed)",
+    curves, scores = {}, {}
+    for cell in CELLS:
+        rs = [r for r in runs if (r["norm"], r["attention"]) == cell]
+        if not rs:
+            continue
+        common = sorted(set.intersection(*(set(u for u, _ in r["train_loss"]) for r in rs)))
+        mean = [statistics.mean(dict(map(tuple, r["train_loss"]))[u] for r in rs) for u in common]
+        window = 5  # train_inner lines are 20 updates apart
+        curves[SHORT[cell]] = [
+            (common[i], statistics.mean(mean[max(0, i - window + 1) : i + 1])) for i in range(len(common))
+        ]
+        scores[SHORT[cell]] = [(r["seed"], {"test BLEU": r["test_bleu"], "dev BLEU": r["scored_dev"][2]}) for r in rs]
+    return plots.training_and_scores(
+        os.path.join(records, "training-curves.png"),
+        "TED gl-en, the 2x2: training loss (mean over seeds, smoothed over 100 updates) and the scored models' BLEU",
         curves,
+        scores,
     )
 
 
@@ -135,7 +146,7 @@ def _excludes_zero(low, high):
 
 def cell_table(runs):
     lines = [
-        "| cell | seeds | test BLEU, mean (sd) | chrF, mean (sd) | best dev BLEU, mean | per seed (BLEU) | updates | train time, mean |",
+        "| cell | seeds | test BLEU, mean (sd) | chrF, mean (sd) | dev BLEU, mean | per seed (BLEU) | updates | train time, mean |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for cell in CELLS:
@@ -157,7 +168,7 @@ def cell_table(runs):
             minutes += f" ({len(rs) - len(whole)} resumed left out)"
         lines.append(
             f"| {NAMES[cell]} | {len(rs)} | {mean_sd('test_bleu')} | {mean_sd('test_chrf')} "
-            f"| {statistics.mean(r['best_dev_bleu'] for r in rs):.2f} | {per_seed} "
+            f"| {statistics.mean(r['scored_dev'][2] for r in rs):.2f} | {per_seed} "
             f"| {', '.join(sorted({str(r['updates']) for r in rs}))} | {minutes} |"
         )
     return lines
@@ -183,7 +194,67 @@ def g_table(runs):
     return lines
 
 
-def reading(seeds_ci, boot, n_seeds):
+def correction(runs):
+    """For runs trained before the FixNorm projection's cache was fixed: what their logs got wrong,
+    and what the test scores were at the checkpoint those logs selected."""
+    affected = [r for r in runs if not r.get("dev_curve_valid", True)]
+    if not affected:
+        return []
+    lines = [
+        "## A correction: the dev numbers these runs logged",
+        "",
+        f"{'All' if len(affected) == len(runs) else len(affected)} of these {len(runs)} runs were trained with a "
+        "version of the plugin whose FixNorm output projection",
+        "cached its unit-length matrix for inference and refreshed it when the weight's version changed;",
+        "fairseq's optimizers update `p.data`, which leaves the version alone. So from the second",
+        "validation on, fairseq-train measured dev loss and dev BLEU with the output projection of the first",
+        "validation, and picked `checkpoint_best.pt` by those numbers. Training itself was unaffected: it",
+        "normalizes afresh at every step, and the learning rate rose through its warm-up to the peak and was",
+        "never reduced, so no decision of the scheduler depended on the stale numbers. A new process",
+        "(fairseq-generate, fairseq-validate) always saw the right model. The plugin now drops the cache in",
+        "train() and eval().",
+        "",
+        "These runs are scored again at `checkpoint_last.pt` (the same model for every run: update",
+        f"{affected[0]['updates']:,}), with the fixed plugin. Before, they were scored at the checkpoint the",
+        "stale dev BLEU picked:",
+        "",
+        "| cell | test BLEU, at the logged best (before) | at the end of the budget (now) | logged best dev BLEU | dev BLEU at the end |",
+        "|---|---|---|---|---|",
+    ]
+    for cell in CELLS:
+        rs = [r for r in affected if (r["norm"], r["attention"]) == cell]
+        if rs:
+            before = statistics.mean(r["checkpoint_best_by_logged_dev"]["test_bleu"] for r in rs)
+            logged = statistics.mean(r["checkpoint_best_by_logged_dev"]["best_dev_bleu"] for r in rs)
+            lines.append(
+                f"| {SHORT[cell]} | {before:.2f} | {statistics.mean(r['test_bleu'] for r in rs):.2f} "
+                f"| {logged:.2f} | {statistics.mean(r['scored_dev'][2] for r in rs):.2f} |"
+            )
+    gaps = [abs(r["test_bleu"] - r["checkpoint_best_by_logged_dev"]["test_bleu"]) for r in affected]
+    apart = [
+        r["updates"] - scored_dev(r["dev"], "checkpoint_best.pt")[0]
+        for r in affected
+        if r["test_bleu"] != r["checkpoint_best_by_logged_dev"]["test_bleu"]
+    ]
+    lines += [
+        "",
+        f"In {len(apart)} of the {len(affected)} runs the two are different checkpoints, "
+        + (f"{min(apart)} updates" if min(apart) == max(apart) else f"{min(apart)} to {max(apart)} updates")
+        + " apart; "
+        f"their test BLEU differs by {statistics.mean(g for g in gaps if g):.2f} on average and by up to {max(gaps):.2f}. "
+        "At this budget a run's score depends on the exact checkpoint about as much as on its cell."
+        if apart
+        else "",
+        "",
+        "runs.json keeps the logged dev curves (`dev`, marked `dev_curve_valid: false`) and the earlier",
+        "scores (`checkpoint_best_by_logged_dev`); `best_dev_bleu` is empty, as the true dev BLEU of the",
+        "intermediate models was not kept. Retraining (the same commands) would log true curves.",
+        "",
+    ]
+    return lines
+
+
+def reading(seeds_ci, boot, unit="BLEU"):
     """What the intervals support, in words, effect by effect."""
     lines = []
     for name, what in (
@@ -206,19 +277,19 @@ def reading(seeds_ci, boot, n_seeds):
                 else "consistent across seeds but within the test-set noise"
             )
             lines.append(
-                f"- **{name}** ({what}): {point:+.2f} BLEU on the pooled test sets; the interval over "
+                f"- **{name}**, {unit} ({what}): {point:+.2f} on the pooled test sets; the interval over "
                 f"seeds {by_seeds}, the bootstrap interval {by_boot}: {verdict}."
             )
         else:
             lines.append(
-                f"- **{name}** ({what}): {point:+.2f} BLEU; the bootstrap interval {by_boot} "
+                f"- **{name}**, {unit} ({what}): {point:+.2f}; the bootstrap interval {by_boot} "
                 f"(one complete seed: no interval over seeds yet, so training randomness is not measured)."
             )
     return lines
 
 
 def write_report(records, data_dir):
-    """README.md and dev-curves.png in RECORDS; DATA_DIR holds the test references the runs were
+    """README.md and training-curves.png in RECORDS; DATA_DIR holds the test references the runs were
     scored against (checked by sha1: they are not kept in RECORDS)."""
     runs = read_runs(records)
     if not runs:
@@ -245,10 +316,14 @@ def write_report(records, data_dir):
         "",
         *cell_table(runs),
         "",
-        "Test BLEU: sacrebleu, `--tokenize none` on the Moses-tokenized release (the paper's tokenized BLEU);",
-        "chrF: sacrebleu's default. Each run's detokenized hypotheses are in this folder (runs.json names them).",
+        "Every run is scored with its model at the end of the budget (`checkpoint_last.pt`), on test and dev",
+        "alike. Test BLEU: sacrebleu, `--tokenize none` on the Moses-tokenized release (the paper's tokenized",
+        "BLEU); chrF: sacrebleu's default; dev BLEU: sacrebleu's 13a against dev.en (fairseq-train's `--eval-bleu`",
+        "scores against the references it decodes from the binarized data, and reads a little higher).",
+        "Each run's detokenized test hypotheses are in this folder (runs.json names them).",
         "",
     ]
+    md += correction(runs)
     if seeds:
         ci = {m: over_seeds(runs, seeds, key) for m, key in (("bleu", "test_bleu"), ("chrf", "test_chrf"))}
         boot = {}
@@ -280,17 +355,22 @@ def write_report(records, data_dir):
             "",
             "## What the numbers support",
             "",
-            *reading(ci["bleu"] if len(seeds) > 1 else None, boot["bleu"], len(seeds)),
+            *reading(ci["bleu"] if len(seeds) > 1 else None, boot["bleu"]),
+            *reading(ci["chrf"] if len(seeds) > 1 else None, boot["chrf"], "chrF"),
             "",
         ]
     md += [
-        "## Dev curves",
+        "## Training curves",
         "",
-        "![dev curves](dev-curves.png)",
+        "![training loss and BLEU](training-curves.png)",
+        "",
+        "Training loss is what fairseq-train logs every 20 updates (dropout and word dropout on); test and",
+        "dev BLEU are those of the scored models. The dev curves are not drawn: for runs trained before the",
+        "correction above they measured a stale output projection after the first validation.",
         "",
         "## The learned g",
         "",
-        "g of every attention module at the best checkpoint (layers in order), against g0 = log2(L^2 - L):",
+        "g of every attention module of the scored model (layers in order), against g0 = log2(L^2 - L):",
         "",
         *g_table(runs),
         "",
@@ -301,7 +381,8 @@ def write_report(records, data_dir):
         "- The paper (gl-en, full size: 4+4 layers, width 512, dropout 0.4, trained to convergence on a GPU):",
         "  baseline 22.01 -> QKNorm 24.21 BLEU (+2.20), the two changes together; it did not separate them.",
         "- The toy corpus 2x2 (examples/ted/RESULTS-toy-ablations.md, 3 seeds): QKNorm +4.4 BLEU under",
-        "  ScaleNorm, +5.4 under LayerNorm; LayerNorm +0.4 with scaled dot, +1.5 with QKNorm.",
+        "  ScaleNorm, +5.4 under LayerNorm; LayerNorm +0.4 with scaled dot, +1.5 with QKNorm (at checkpoints",
+        "  picked by the same stale dev BLEU: see the correction there).",
         "- This run is the `cpu` preset (width 128, 4+4 layers, 4 heads, dropout 0.1, 1,400 updates of",
         "  4,096 tokens, about 12 epochs): small models, far from converged. Its absolute BLEU is not",
         "  the paper's; what it measures is the direction and size of each change at this budget.",
@@ -315,7 +396,7 @@ def write_report(records, data_dir):
         "",
         "Data: TED gl-en as ../shared/data/ted-gl-en holds it (the CMU 11-731 extraction of Qi et al.'s",
         "corpus: 11,233 / 742 / 1,112 sentence pairs; runs.json records the sha1 of every file). Each",
-        "entry of runs.json holds its fairseq-train command, dev curve, learned g and training time;",
+        "entry of runs.json holds its fairseq-train command, dev and training-loss curves, learned g and training time;",
         "two runs trained side by side with one thread each, on a 2-core machine that other jobs also",
         "used at times: the training times say how long a run took there, not what a run costs.",
         "",
@@ -338,5 +419,5 @@ def write_report(records, data_dir):
             "",
         ]
     if runs:
-        dev_figure(records, runs)
+        training_figure(records, runs)
     write_text(os.path.join(records, "README.md"), "\n".join(md))

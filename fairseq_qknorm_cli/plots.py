@@ -144,3 +144,31 @@ def dev_curves(path, title, runs):
     loss_ax.legend(fontsize="small")
     fig.suptitle(_wrap(title, 10))
     return _save(fig, path)
+
+
+def training_and_scores(path, title, curves, scores):
+    """curves: {cell: [(updates, training loss)]}; scores: {cell: [(seed, {metric: value})]}: the
+    cells' training loss beside every run's scores, one column of dots per cell and metric."""
+    fig = _figure(11, 4.2)
+    loss_ax, score_ax = fig.subplots(1, 2, width_ratios=(3, 2))
+    for i, (cell, points) in enumerate(curves.items()):
+        loss_ax.plot([u for u, _ in points], [v for _, v in points], color=f"C{i}", label=cell)
+    loss_ax.set(xlabel="training updates", ylabel="training loss (bits per token, label-smoothed)")
+    loss_ax.legend(fontsize="small")
+    metrics = sorted({m for runs in scores.values() for _, values in runs for m in values})
+    for i, runs in enumerate(scores.values()):
+        for j, metric in enumerate(metrics):
+            x = i + (j - (len(metrics) - 1) / 2) * 0.25
+            values = [v[metric] for _, v in runs]
+            score_ax.scatter([x] * len(values), values, color=f"C{i}", marker="os^D"[j % 4], s=25)
+    score_ax.set_xticks(range(len(scores)), [c.replace(" + ", "\n+ ") for c in scores], fontsize="small")
+    score_ax.set(ylabel="BLEU, one dot per seed")
+    score_ax.legend(
+        [score_ax.scatter([], [], color="grey", marker="os^D"[j % 4]) for j in range(len(metrics))],
+        metrics,
+        fontsize="small",
+    )
+    for ax in (loss_ax, score_ax):
+        ax.grid(alpha=0.3)
+    fig.suptitle(_wrap(title, 11))
+    return _save(fig, path)

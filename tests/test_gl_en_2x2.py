@@ -63,6 +63,8 @@ def make_records(tmp_path, seeds=(1, 2)):
                     "best_dev_bleu": bleu,
                     "hyp": name,
                     "dev": [[50, 7.0, 1.0], [100, 6.5, bleu]],
+                    "scored_dev": [100, 6.5, bleu],
+                    "train_loss": [[20, 9.0], [40, 8.0], [100, 7.0]],
                     "g": {"encoder.layers.0.self_attn": 12.5} if cell[1] == "qknorm" else {},
                     "L": 79,
                     "g0": 12.59,
@@ -116,7 +118,8 @@ def test_report_names_every_cell_and_refuses_other_references(tmp_path):
     assert "Recorded: 8 of 12 runs; seeds with all four cells: 1, 2." in text
     for name in ("ScaleNorm + scaled dot", "LayerNorm + QKNorm (the paper's system)", "| QKNorm |", "| interaction |"):
         assert name in text
-    assert (records / "dev-curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert (records / "training-curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert "A correction" not in text  # every run's dev curve is valid
     (data / "test.en").write_text("other\n" * 60)
     with pytest.raises(SystemExit, match="not the reference the runs were scored against"):
         write_report(str(records), str(data))
@@ -136,3 +139,29 @@ def test_train_log_names_the_updates_a_restarted_run_resumed_at(tmp_path):
         "2026-12-01 17:05:35 | INFO | fairseq.trainer | Loaded checkpoint ckpt/checkpoint_last.pt (epoch 6 @ 680 updates)\n"
     )
     assert parse_train_log(log)["resumed_at"] == [136, 680]
+
+
+def test_runs_with_stale_dev_curves_show_their_scored_model_and_the_earlier_scores(tmp_path):
+    records, data, _, runs = make_records(tmp_path)
+    for r in runs:
+        r.update(
+            dev_curve_valid=False,
+            best_dev_bleu=None,
+            checkpoint_best_by_logged_dev={"test_bleu": r["test_bleu"] - 1, "best_dev_bleu": 3.0},
+        )
+    gl_en_2x2.write_runs(str(records), runs)
+    write_report(str(records), str(data))
+    text = (records / "README.md").read_text()
+    assert "## A correction" in text and "All of these 8 runs" in text
+    sd = [r for r in runs if (r["norm"], r["attention"]) == ("scalenorm", "dot")]
+    now = sum(r["test_bleu"] for r in sd) / 2
+    assert f"| ScaleNorm + dot | {now - 1:.2f} | {now:.2f} | 3.00 |" in text
+
+
+def test_train_loss_curve_keeps_the_resumed_runs_later_lines(tmp_path):
+    from experiments.fairseq_logs import train_loss_curve
+
+    log = tmp_path / "train.log"
+    line = "2026-12-01 | INFO | train_inner | epoch 001:     20 / 136 loss={}, nll_loss=4.1, num_updates={}, lr=0.001\n"
+    log.write_text(line.format(9.5, 20) + line.format(8.5, 40) + "| Loaded checkpoint\n" + line.format(8.4, 40))
+    assert train_loss_curve(log) == [[20, 9.5], [40, 8.4]]

@@ -128,9 +128,9 @@ one() {
     # shellcheck disable=SC2086  # flags is a flag list
     train_arm "$dir" "$arch" $flags
     [ "$phase" = probe ] && return
-    generate_arm "$dir"
+    generate_arm "$dir"  # the best checkpoint: the only one this script keeps
     summary=$(python -m experiments.gl_en_2x2 record "$RECORDS" --arm-dir "$dir" --norm "$norm" --attention "$attention" \
-        --seed "$seed" --data "$WORK/raw" --preset "$RECORD_PRESET" --commands "$WORK/commands.sh")
+        --checkpoint checkpoint_best.pt --seed "$seed" --data "$WORK/raw" --preset "$RECORD_PRESET" --commands "$WORK/commands.sh")
     log "recorded: $summary"
     pack
 }

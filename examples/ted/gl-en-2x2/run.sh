@@ -12,7 +12,7 @@
 #   is downloaded as in ted/run.sh), SEEDS (default "1 2 3"), JOBS (default 2), THREADS (default 1),
 #   PRESET (default cpu) and its values (see examples/common.sh), WORK (default work/gl-en-2x2),
 #   RECORDS (default this folder), COMMIT=1 to git-commit each record as it lands.
-# The report (README.md and dev-curves.png here) is rewritten from runs.json at the end.
+# The report (README.md and training-curves.png here) is rewritten from runs.json at the end.
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/../../common.sh"
 
@@ -37,7 +37,8 @@ run_one() {
     export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS
     # shellcheck disable=SC2086  # flags is a flag list
     step "$name.seed$seed.train" binarize train_arm "$dir" "$arch" $flags
-    step "$name.seed$seed.generate" "$name.seed$seed.train" generate_arm "$dir"
+    # The model at the budget's end: every run is scored after the same number of updates.
+    step "$name.seed$seed.generate" "$name.seed$seed.train" generate_arm "$dir" checkpoint_last.pt
     local summary
     summary=$(python -m experiments.gl_en_2x2 record "$RECORDS" --arm-dir "$dir" --norm "$norm" --attention "$attention" \
         --seed "$seed" --data "$WORK/raw" --preset "$PRESET" --commands "$WORK/commands.sh")
