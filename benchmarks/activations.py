@@ -39,7 +39,7 @@ def main(argv=None):
     print("| model | arm | activations MiB | ratio to stock |\n|---|---|---:|---:|")
     for size in args.sizes:
         stock = None
-        for arm in (a for a in MODEL_ARMS if a not in GENERATE_ONLY):
+        for arm in (a for a in MODEL_ARMS if a not in (*GENERATE_ONLY, "stock_control")):
             model, task = build_model(arm, SIZES[size], args.seed)
             criterion = LabelSmoothedCrossEntropyCriterion(task, sentence_avg=False, label_smoothing=0.1)
             data = random_pairs(lengths, FULL["train_sentences"], task.source_dictionary, args.seed, FULL["max_len"])

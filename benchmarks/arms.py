@@ -33,6 +33,7 @@ SIZES = {
 # arm -> (--arch, the arm's own flags)
 ARMS = {
     "stock": ("transformer", {}),
+    "stock_control": ("transformer", {}),  # stock in a second process: the noise floor
     # Generation only: fairseq's transformer with the beamable cross attention (one copy of the
     # encoder's keys and values per sentence) that SequenceGenerator switches on for
     # transformer_qknorm but not for fairseq's transformer, which lacks set_beam_size. The

@@ -28,10 +28,12 @@ from .lengths import read_pair_lengths
 from .variants import QK_VARIANTS
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL_ARMS = ("stock", "stock_beamable", *QK_VARIANTS, "scalenorm_paper")
+MODEL_ARMS = ("stock", "stock_control", "stock_beamable", *QK_VARIANTS, "scalenorm_paper")
 GENERATE_ONLY = ("stock_beamable",)  # in training it is stock
 # Run beside every other arm, so that each arm has a back-to-back reference in every round.
-BASELINES = {"train": ("stock",), "generate": ("stock", "stock_beamable")}
+# stock_control is stock again in a second process: how far apart identical code measures within
+# a batch, the noise floor that every ratio of that batch carries.
+BASELINES = {"train": ("stock", "stock_control"), "generate": ("stock", "stock_control", "stock_beamable")}
 BENCHMARKS = ("train", "generate", "attention")
 LENGTHS_ENV = "BENCH_LENGTHS_FROM"
 
@@ -84,16 +86,17 @@ def parse_args(argv):
         nargs="+",
         choices=MODEL_ARMS,
         default=list(MODEL_ARMS),
-        help="model arms for train and generate (stock is always run: the ratios need it)",
+        help="model arms for train and generate (stock and stock_control always run: the ratios and "
+        "their noise floor need them)",
     )
     p.add_argument("--repeats", type=int, help="interleaved rounds (default 5; 1 with --quick)")
     p.add_argument("--threads", type=int, default=2, help="torch threads in every worker (default 2)")
     p.add_argument(
         "--workers",
         type=int,
-        default=6,
-        help="model arms alive at once (default 6): the arms run in batches of this many, the "
-        "baselines (stock; stock_beamable in generation) in every batch. Each glen training "
+        default=7,
+        help="model arms alive at once (default 7): the arms run in batches of this many, the "
+        "baselines (stock, stock_control; stock_beamable in generation) in every batch. Each glen training "
         "worker holds about 2 GB",
     )
     p.add_argument("--seed", type=int, default=1)
@@ -128,8 +131,7 @@ def parse_args(argv):
         )
     if not args.render and len(args.lengths_from.split(",")) != 2:
         p.error(f"--lengths-from: expected SRC,TGT (two files), got {args.lengths_from!r}")
-    if "stock" not in args.arms:
-        args.arms.insert(0, "stock")
+    args.arms = ["stock", "stock_control", *(a for a in args.arms if a not in ("stock", "stock_control"))]
     return args
 
 
@@ -188,7 +190,7 @@ def arm_batches(benchmark, arms, workers):
     """The arms' processes, in batches of at most `workers`, each with the baselines."""
     if benchmark == "attention":
         return [["all"]]  # one process: every arm is one module
-    base = [a for a in BASELINES[benchmark] if a in arms or a == "stock"]
+    base = [a for a in BASELINES[benchmark] if a in arms]
     rest = [a for a in arms if a not in base and (benchmark == "generate" or a not in GENERATE_ONLY)]
     size = workers - len(base)
     return [base + rest[i : i + size] for i in range(0, len(rest), size)] or [base]

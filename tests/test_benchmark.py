@@ -19,8 +19,8 @@ from benchmarks.run import arm_batches, update_markdown  # noqa: E402
 from benchmarks.variants import QK_VARIANTS  # noqa: E402
 
 VARIANTS = list(QK_VARIANTS)
-MODEL_ARMS = ["stock", *VARIANTS, "scalenorm_paper"]
-GENERATE_ARMS = ["stock", "stock_beamable", *VARIANTS, "scalenorm_paper"]
+MODEL_ARMS = ["stock", "stock_control", *VARIANTS, "scalenorm_paper"]
+GENERATE_ARMS = ["stock", "stock_control", "stock_beamable", *VARIANTS, "scalenorm_paper"]
 ATTENTION_ARMS = ["stock", "qknorm", "qknorm_plain", *VARIANTS[1:]]
 
 
@@ -59,7 +59,7 @@ def test_quick_run_measures_every_arm(quick):
     assert set(groups) == {"train", "generate", "attention"}
     for name, expected_arms in (("train", MODEL_ARMS), ("generate", GENERATE_ARMS)):
         # in batches, each with its own baselines: every arm once, the baselines in every batch
-        baselines = expected_arms[:2] if name == "generate" else ["stock"]
+        baselines = expected_arms[:3] if name == "generate" else expected_arms[:2]
         assert all(list(g["arms"])[: len(baselines)] == baselines for g in groups[name])
         assert [a for g in groups[name] for a in g["arms"] if a not in baselines] == expected_arms[len(baselines) :]
         for arm in (a for g in groups[name] for a in g["arms"].values()):
@@ -76,7 +76,7 @@ def test_quick_run_measures_every_arm(quick):
     assert all(a["metrics"]["output_tokens"] == [expected] for a in gen.values())
     # SequenceGenerator switches beamable cross attention on for the plugin's model, not for
     # fairseq's transformer; stock_beamable switches it on by hand.
-    assert {n for n, a in gen.items() if a["info"]["beamable"]} == set(GENERATE_ARMS) - {"stock"}
+    assert {n for n, a in gen.items() if a["info"]["beamable"]} == set(GENERATE_ARMS) - {"stock", "stock_control"}
     (attention,) = groups["attention"]
     cases = attention["cases"]
     assert len(cases) == 2 * len(result["settings"]["attention_lengths"]) + 2
@@ -134,14 +134,14 @@ def test_variants_are_every_qk_norm_the_flags_allow():
 
 
 def test_arm_batches_hold_the_baselines_and_every_arm_once():
-    arms = ["stock", "stock_beamable", *VARIANTS, "scalenorm_paper"]
-    train = arm_batches("train", arms, 6)
-    assert all(b[0] == "stock" and len(b) <= 6 for b in train)
-    assert [a for b in train for a in b[1:]] == arms[2:]  # stock_beamable is generation only
-    generate = arm_batches("generate", arms, 6)
-    assert all(b[:2] == ["stock", "stock_beamable"] and len(b) <= 6 for b in generate)
-    assert [a for b in generate for a in b[2:]] == arms[2:]
-    assert arm_batches("generate", ["stock"], 6) == [["stock"]]
+    arms = GENERATE_ARMS
+    train = arm_batches("train", arms, 7)
+    assert all(b[:2] == ["stock", "stock_control"] and len(b) <= 7 for b in train)
+    assert [a for b in train for a in b[2:]] == arms[3:]  # stock_beamable is generation only
+    generate = arm_batches("generate", arms, 7)
+    assert all(b[:3] == ["stock", "stock_control", "stock_beamable"] and len(b) <= 7 for b in generate)
+    assert [a for b in generate for a in b[3:]] == arms[3:]
+    assert arm_batches("generate", ["stock", "stock_control"], 7) == [["stock", "stock_control"]]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
@@ -294,3 +294,32 @@ def test_update_markdown_replaces_only_its_own_device(tmp_path):
     text = md.read_text()
     assert "cpu table 2" in text and "cpu table 1" not in text and "gpu table" in text
     assert text.index("cpu table 2") < text.index("gpu table")
+
+
+def test_a_speed_miss_is_within_the_noise_floor_only_if_identical_code_missed_as_far():
+    def batch(n, control, arm):
+        return {
+            "benchmark": "train",
+            "size": "small",
+            "dtype": "fp32",
+            "batch": n,
+            "arms": {
+                name: {"metrics": {"wps": [w], "wps_cpu": [w]}, "peak_rss_mb": 100, "info": {"activations_mb": 1.0}}
+                for name, w in (("stock", 100.0), ("stock_control", control), arm)
+            },
+        }
+
+    # batch 1: the control measures 0.90 of stock, the arm 0.93: a miss within the noise floor;
+    # batch 2: the control measures 1.02, the arm 0.93: a measured miss.
+    groups = [batch(1, 90.0, ("qknorm", 93.0)), batch(2, 102.0, ("qknorm_l2_fixed", 93.0))]
+    assert {k: round(v, 3) for k, v in report.noise_floor(groups).items()} == {
+        ("train", "small fp32"): 0.9,
+        ("train", "small fp32 #2"): 1.02,
+    }
+    checks = report.targets(groups)
+    assert report.within_noise(groups, checks) == {("small fp32", "qknorm", ("train", "wps"))}
+    table = report.targets_tables(checks, report.within_noise(groups, checks))
+    assert "| small fp32 | qknorm | **0.930 MISS** † |" in table
+    assert "| small fp32 | qknorm_l2_fixed | **0.930 MISS** |" in table
+    assert "4 of 6 targets met; 2 missed (in bold), 1 of them within the noise floor" in table
+    assert "largest 0.100" in report.noise_table(groups)
