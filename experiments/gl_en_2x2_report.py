@@ -391,7 +391,7 @@ def write_report(records, data_dir):
         "",
         "```sh",
         "DATA_DIR=path/to/ted-gl-en bash examples/ted/gl-en-2x2/run.sh   # trains what has no record yet",
-        "python -m experiments.gl_en_2x2 report examples/ted/gl-en-2x2 --data path/to/ted-gl-en   # this page again",
+        ".venv/bin/python -m experiments.gl_en_2x2 report examples/ted/gl-en-2x2 --data path/to/ted-gl-en   # this page",
         "```",
         "",
         "Data: TED gl-en as ../shared/data/ted-gl-en holds it (the CMU 11-731 extraction of Qi et al.'s",

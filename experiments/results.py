@@ -246,7 +246,10 @@ def format_two_by_two(runs):
                 f"| {norm} + {attention} | {len(rs)} | {statistics.mean(r['test_bleu'] for r in rs):.2f} "
                 f"| {statistics.mean(r['test_chrf'] for r in rs):.1f} |"
             )
-    return lines + ["", "The effects with their intervals, training curves and learned g: examples/ted/gl-en-2x2/README.md."]
+    return lines + [
+        "",
+        "The effects with their intervals, training curves and learned g: examples/ted/gl-en-2x2/README.md.",
+    ]
 
 
 def table_main(args):
