@@ -323,3 +323,17 @@ def test_a_speed_miss_is_within_the_noise_floor_only_if_identical_code_missed_as
     assert "| small fp32 | qknorm_l2_fixed | **0.930 MISS** |" in table
     assert "4 of 6 targets met; 2 missed (in bold), 1 of them within the noise floor" in table
     assert "largest 0.100" in report.noise_table(groups)
+
+
+def test_one_process_times_every_arm_against_the_first(corpus):
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.one_process", "--size", "tiny", "--rounds", "2", "--threads", "1"]
+        + ["--arms", "stock", "qknorm_rmsnorm_none", "--lengths-from", corpus],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert [r[0].strip() for r in rows[1:]] == ["stock", "qknorm_rmsnorm_none"]
+    assert float(rows[1][2]) == 1.0 and float(rows[2][1]) > 0

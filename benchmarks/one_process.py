@@ -1,0 +1,75 @@
+"""Training step time of a few model arms in one process: `python -m benchmarks.one_process`.
+
+The runner (benchmarks.run) gives every arm its own process, and identical code measures a few
+percent apart between processes. Here the arms share one process and are interleaved round by
+round, so no process offset enters the ratios; with --profile, torch's profiler then says which
+operators the time goes to, per arm. The workload is the training benchmark's (TrainBench)."""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from .lengths import read_pair_lengths
+from .run import FULL, LENGTHS_ENV, MODEL_ARMS
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.one_process", description=__doc__.split("\n")[0])
+    p.add_argument("--size", choices=("glen", "small", "tiny"), default="small")
+    p.add_argument("--arms", nargs="+", choices=MODEL_ARMS, default=["stock", "qknorm", "qknorm_layernorm_learned"])
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--profile", action="store_true", help="then profile three rounds of every arm")
+    p.add_argument("--lengths-from", default=os.environ.get(LENGTHS_ENV), metavar="SRC,TGT")
+    args = p.parse_args(argv)
+    if not args.lengths_from or len(args.lengths_from.split(",")) != 2:
+        p.error(f"--lengths-from SRC,TGT (or ${LENGTHS_ENV}) is needed")
+    if args.rounds < 1 or args.threads < 1:
+        p.error("--rounds, --threads: expected positive numbers")
+    try:
+        read_pair_lengths(*args.lengths_from.split(","))
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    from .models_bench import TrainBench
+
+    torch.set_num_threads(args.threads)
+    job = dict(FULL, device="cpu", threads=args.threads, seed=1, size=args.size, dtype="fp32", benchmark="train")
+    job["lengths_from"] = tuple(args.lengths_from.split(","))
+    benches = {arm: TrainBench(dict(job, arm=arm)) for arm in args.arms}
+
+    def one_round(bench):
+        start = time.perf_counter()
+        for unit in range(bench.info["units"]):
+            bench.measure(unit)
+        return time.perf_counter() - start
+
+    seconds = {arm: [] for arm in args.arms}
+    for r in range(args.rounds):
+        order = args.arms[r % len(args.arms) :] + args.arms[: r % len(args.arms)]
+        for arm in order:
+            seconds[arm].append(one_round(benches[arm]))
+    base = seconds[args.arms[0]]
+    print(
+        f"| {args.size} fp32, {args.threads} threads | ms per round, median | time / {args.arms[0]} (median of pairs) |"
+    )
+    print("|---|---:|---:|")
+    for arm, values in seconds.items():
+        ratio = statistics.median(a / b for a, b in zip(values, base))
+        print(f"| {arm} | {1000 * statistics.median(values):.1f} | {ratio:.3f} |")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for arm, bench in benches.items():
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(3):
+                    one_round(bench)
+            print(f"\n{arm}, three rounds:")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=40))
+
+
+if __name__ == "__main__":
+    main()
