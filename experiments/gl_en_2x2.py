@@ -20,6 +20,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 from contextlib import contextmanager
 
@@ -88,6 +89,15 @@ def learned_g(checkpoint):
     }
 
 
+def portable_command(command, arm_dir):
+    """The command with the folders of the machine it ran on written as the recipe's variables:
+    $WORK (the arm directory's WORK/arms/NAME) and $USER_DIR."""
+    if command is None:
+        return None
+    work = os.path.dirname(os.path.dirname(os.path.abspath(arm_dir)))
+    return re.sub(r"--user-dir \S+", "--user-dir $USER_DIR", command).replace(work, "$WORK")
+
+
 def scored_dev(dev, checkpoint):
     """[updates, dev loss, dev BLEU] of the validation of the scored checkpoint: fairseq-train
     validates at --max-update, and checkpoint_best.pt is the first validation with the best BLEU."""
@@ -133,7 +143,9 @@ def record(args):
         "resumed_at_updates": log["resumed_at"],
         "threads": int(os.environ.get("OMP_NUM_THREADS", "0")) or None,
         "preset": args.preset,
-        "train_command": train_command(read_commands(args.commands), args.arm_dir) if args.commands else None,
+        "train_command": portable_command(train_command(read_commands(args.commands), args.arm_dir), args.arm_dir)
+        if args.commands
+        else None,
         "data_sha1": data_sha1(args.data),
     }
     with locked(args.records):

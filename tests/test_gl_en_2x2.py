@@ -165,3 +165,12 @@ def test_train_loss_curve_keeps_the_resumed_runs_later_lines(tmp_path):
     line = "2026-12-01 | INFO | train_inner | epoch 001:     20 / 136 loss={}, nll_loss=4.1, num_updates={}, lr=0.001\n"
     log.write_text(line.format(9.5, 20) + line.format(8.5, 40) + "| Loaded checkpoint\n" + line.format(8.4, 40))
     assert train_loss_curve(log) == [[20, 9.5], [40, 8.4]]
+
+
+def test_recorded_training_commands_name_no_folder_of_the_machine():
+    command = (
+        "fairseq-train /data/w/bin --user-dir /src/fairseq_qknorm --save-dir /data/w/arms/qknorm-seed1/checkpoints.tmp"
+    )
+    assert gl_en_2x2.portable_command(command, "/data/w/arms/qknorm-seed1") == (
+        "fairseq-train $WORK/bin --user-dir $USER_DIR --save-dir $WORK/arms/qknorm-seed1/checkpoints.tmp"
+    )
