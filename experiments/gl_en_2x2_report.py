@@ -121,8 +121,9 @@ def training_figure(records, runs):
         rs = [r for r in runs if (r["norm"], r["attention"]) == cell]
         if not rs:
             continue
-        common = sorted(set.intersection(*(set(u for u, _ in r["train_loss"]) for r in rs)))
-        mean = [statistics.mean(dict(map(tuple, r["train_loss"]))[u] for r in rs) for u in common]
+        losses = [dict(map(tuple, r["train_loss"])) for r in rs]  # {updates: loss} per run
+        common = sorted(set.intersection(*map(set, losses)))
+        mean = [statistics.mean(loss[u] for loss in losses) for u in common]
         window = 5  # train_inner lines are 20 updates apart
         curves[SHORT[cell]] = [
             (common[i], statistics.mean(mean[max(0, i - window + 1) : i + 1])) for i in range(len(common))
