@@ -128,7 +128,7 @@ def training_figure(records, runs):
         curves[SHORT[cell]] = [
             (common[i], statistics.mean(mean[max(0, i - window + 1) : i + 1])) for i in range(len(common))
         ]
-        scores[SHORT[cell]] = [(r["seed"], {"test BLEU": r["test_bleu"], "dev BLEU": r["scored_dev"][2]}) for r in rs]
+        scores[SHORT[cell]] = [{"test BLEU": r["test_bleu"], "dev BLEU": r["scored_dev"][2]} for r in rs]
     return plots.training_and_scores(
         os.path.join(records, "training-curves.png"),
         "TED gl-en, the 2x2: training loss (mean over seeds, smoothed over 100 updates) and the scored models' BLEU",

@@ -147,7 +147,7 @@ def dev_curves(path, title, runs):
 
 
 def training_and_scores(path, title, curves, scores):
-    """curves: {cell: [(updates, training loss)]}; scores: {cell: [(seed, {metric: value})]}: the
+    """curves: {cell: [(updates, training loss)]}; scores: {cell: [{metric: value} per run]}: the
     cells' training loss beside every run's scores, one column of dots per cell and metric."""
     fig = _figure(11, 4.2)
     loss_ax, score_ax = fig.subplots(1, 2, width_ratios=(3, 2))
@@ -155,11 +155,11 @@ def training_and_scores(path, title, curves, scores):
         loss_ax.plot([u for u, _ in points], [v for _, v in points], color=f"C{i}", label=cell)
     loss_ax.set(xlabel="training updates", ylabel="training loss (bits per token, label-smoothed)")
     loss_ax.legend(fontsize="small")
-    metrics = sorted({m for runs in scores.values() for _, values in runs for m in values})
+    metrics = sorted({m for runs in scores.values() for values in runs for m in values})
     for i, runs in enumerate(scores.values()):
         for j, metric in enumerate(metrics):
             x = i + (j - (len(metrics) - 1) / 2) * 0.25
-            values = [v[metric] for _, v in runs]
+            values = [v[metric] for v in runs]
             score_ax.scatter([x] * len(values), values, color=f"C{i}", marker="os^D"[j % 4], s=25)
     score_ax.set_xticks(range(len(scores)), [c.replace(" + ", "\n+ ") for c in scores], fontsize="small")
     score_ax.set(ylabel="BLEU, one dot per seed")
