@@ -221,6 +221,21 @@ def test_scaled_affine_norm_equals_layernorm_or_rmsnorm_times_g(case):
         assert error(a) <= max(error(p), 2**-8) * 4, (error(a), error(p))
 
 
+@pytest.mark.parametrize("case", AFFINE_CASES[1:3] + AFFINE_CASES[4:], ids=affine_ids)
+def test_scaled_affine_norm_gives_g_its_gradient_with_the_norm_weights_frozen(case):
+    """Backward takes g's gradient from the sums it computes for the weight and bias: it must
+    compute them when only g wants a gradient."""
+    center, g_shape = case
+    x, w, b, g = affine_inputs(center, g_shape)
+    x, g = x.requires_grad_(), g.requires_grad_()
+    grad = torch.randn(x.shape, dtype=torch.float64)
+    frozen = torch.autograd.grad(ScaledAffineNorm.apply(x, w, b, g, 1e-5, center), (x, g), grad)
+    w, b = w.requires_grad_(), None if b is None else b.requires_grad_()
+    learned = torch.autograd.grad(ScaledAffineNorm.apply(x, w, b, g, 1e-5, center), (x, g), grad)
+    for a, want in zip(frozen, learned):  # the second is gradchecked above
+        torch.testing.assert_close(a, want)
+
+
 @pytest.mark.parametrize("norm", ["l2", "layernorm", "rmsnorm"])
 def test_zero_g_and_zero_norm_weights_give_finite_gradients(norm):
     """y = 0 * ... holds no trace of the normalized q; nor does a zero weight (backward divides by a
