@@ -97,9 +97,10 @@ class ScaledAffineNorm(torch.autograd.Function):
 
     Backward is torch's fused LayerNorm backward given n(x) as its input with mean 0 and rstd 1
     (its x-hat is then n(x)), and multiplied by rstd afterwards; RMSNorm's adds back the row mean
-    LayerNorm's subtracts. Composed of elementwise ops in attention's permuted layout instead, a
-    forward and backward took more than twice the l2 norm's time on a CPU; the kernels run over x's
-    memory order (`_memory_order`), where the elementwise ops are over one dense array too.
+    LayerNorm's subtracts. Written as elementwise ops in attention's permuted layout instead, a
+    forward and backward took 1.3 to 2.5 times the l2 norm's time on a CPU, now about the same
+    (`python -m benchmarks.norm_alone`); the kernels run over x's memory order (`_memory_order`),
+    where the elementwise ops are over one dense array too.
     """
 
     @staticmethod

@@ -337,3 +337,13 @@ def test_one_process_times_every_arm_against_the_first(corpus):
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ")]
     assert [r[0].strip() for r in rows[1:]] == ["stock", "qknorm_rmsnorm_none"]
     assert float(rows[1][2]) == 1.0 and float(rows[2][1]) > 0
+
+
+def test_norm_alone_times_every_norm_and_its_composition_against_l2(capsys):
+    from benchmarks import norm_alone
+
+    norm_alone.main(["--sizes", "small", "--rounds", "2", "--threads", "1"])
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| small")]
+    names = [r[1].strip() for r in rows]
+    assert names == ["l2", "l2 composed", "layernorm", "layernorm composed", "rmsnorm", "rmsnorm composed"]
+    assert float(rows[0][3]) == 1.0 and all(float(r[2]) > 0 for r in rows)
