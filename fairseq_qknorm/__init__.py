@@ -7,7 +7,7 @@ Use as `--user-dir $(fairseq-qknorm-user-dir)` with any fairseq command; it regi
 
 import os
 
-__version__ = "0.1.1"
+__version__ = "0.1.2"
 USER_DIR = os.path.dirname(os.path.abspath(__file__))
 
 try:
