@@ -8,8 +8,8 @@ returns. Every function runs in one process, interleaved round by round; the rat
 norm of the paper, the medians of per-round pairs."""
 
 import argparse
+import functools
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from fairseq_qknorm.qknorm_attention import ScaledAffineNorm, ScaledUnitNorm
 
 from .arms import QK_SCALE_INIT, SIZES
+from .report import pair_ratios
+from .timing import timed
 
 TOKENS = 4000  # about the training benchmark's largest batch
 
@@ -31,6 +33,10 @@ def functions(w, b, g):
         "rmsnorm": lambda x: ScaledAffineNorm.apply(x, w, None, g, eps, False),
         "rmsnorm composed": lambda x: F.rms_norm(x, x.shape[-1:], w, eps) * g,
     }
+
+
+def forward_backward(fn, x, grad):
+    fn(x).backward(grad)
 
 
 def main(argv=None):
@@ -59,11 +65,9 @@ def main(argv=None):
         for _ in range(args.rounds):
             for name, fn in fns.items():
                 leaf = x.detach().requires_grad_()
-                start = time.perf_counter()
-                fn(leaf).backward(grad)
-                seconds[name].append(time.perf_counter() - start)
+                seconds[name].append(timed(functools.partial(forward_backward, fn, leaf, grad), "cpu"))
         for name, values in seconds.items():
-            ratio = statistics.median(a / b for a, b in zip(values, seconds["l2"]))
+            ratio = statistics.median(pair_ratios(values, seconds["l2"]))
             print(f"| {size} (head dim {dim}) | {name} | {1000 * statistics.median(values):.3f} | {ratio:.2f} |")
 
 

@@ -9,12 +9,13 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 from .lengths import read_pair_lengths
+from .report import pair_ratios
 from .run import FULL, LENGTHS_ENV, MODEL_ARMS
+from .timing import timed
 
 
 def main(argv=None):
@@ -42,10 +43,7 @@ def main(argv=None):
     benches = {arm: TrainBench(dict(job, arm=arm)) for arm in args.arms}
 
     def one_round(bench):
-        start = time.perf_counter()
-        for unit in range(bench.info["units"]):
-            bench.measure(unit)
-        return time.perf_counter() - start
+        return timed(lambda: [bench.measure(unit) for unit in range(bench.info["units"])], "cpu")
 
     seconds = {arm: [] for arm in args.arms}
     for r in range(args.rounds):
@@ -58,7 +56,7 @@ def main(argv=None):
     )
     print("|---|---:|---:|")
     for arm, values in seconds.items():
-        ratio = statistics.median(a / b for a, b in zip(values, base))
+        ratio = statistics.median(pair_ratios(values, base))
         print(f"| {arm} | {1000 * statistics.median(values):.1f} | {ratio:.3f} |")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile

@@ -138,6 +138,7 @@ class ScaledAffineNorm(torch.autograd.Function):
         y, rstd, weight, bias, g = ctx.saved_tensors
         acc = rstd.dtype
         order = _memory_order(y)
+        inverse = _inverse(order)
         y = y.permute(order)
         gs = _to_order(g, order, y.dim())
         # g goes into the incoming gradient: the kernel then sees weight w and bias b.
@@ -158,7 +159,7 @@ class ScaledAffineNorm(torch.autograd.Function):
         )
         if not ctx.center:  # RMSNorm: no mean subtracted in forward, none in backward
             grad_n += (dy @ w).unsqueeze_(-1).div_(n.size(-1))
-        grad_x = grad_n.mul_(rstd).to(y.dtype).permute(_inverse(order))
+        grad_x = grad_n.mul_(rstd).to(y.dtype).permute(inverse)
         grad_w = sum_w.to(weight.dtype) if ctx.needs_input_grad[1] else None
         grad_b = sum_b.to(bias.dtype) if ctx.needs_input_grad[2] else None
         grad_g = None
@@ -167,7 +168,7 @@ class ScaledAffineNorm(torch.autograd.Function):
                 grad_g = (w.dot(sum_w) if b is None else w.dot(sum_w) + b.dot(sum_b)) / safe_g
             else:
                 per_head = (dy * y).sum_to_size(gs.shape) / (safe_g * safe_g)
-                grad_g = per_head.permute(_inverse(order)).reshape(g.shape)
+                grad_g = per_head.permute(inverse).reshape(g.shape)
         return grad_x, grad_w, grad_b, grad_g, None, None
 
 
