@@ -42,6 +42,10 @@ ARMS = {
     **{name: ("transformer_qknorm", flags) for name, flags in QK_VARIANTS.items()},
     # The paper's baseline: ScaleNorm + FixNorm + scaled dot product.
     "scalenorm_paper": ("transformer_scalenorm_paper", {}),
+    # The plugin's attention with neither the norm nor g (--qk-norm none --qk-scale none): set
+    # against stock and the QK-norm arms in benchmarks.one_process, it parts what the attention code
+    # around the norm costs from what the norm costs. Not one of the runner's arms.
+    "no_qknorm": ("transformer_qknorm", {"qk_norm": "none", "qk_scale": "none", "qk_scale_per_head": False}),
 }
 # A number, so that no binarized data is needed; the value does not change the speed.
 QK_SCALE_INIT = g0_for_length(60)

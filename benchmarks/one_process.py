@@ -13,7 +13,7 @@ import sys
 import torch
 
 from .lengths import read_pair_lengths
-from .report import pair_ratios
+from .report import median_interval, pair_ratios
 from .run import FULL, LENGTHS_ENV, MODEL_ARMS
 from .timing import timed
 
@@ -21,7 +21,13 @@ from .timing import timed
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.one_process", description=__doc__.split("\n")[0])
     p.add_argument("--size", choices=("glen", "small", "tiny"), default="small")
-    p.add_argument("--arms", nargs="+", choices=MODEL_ARMS, default=["stock", "qknorm", "qknorm_layernorm_learned"])
+    p.add_argument(
+        "--arms",
+        nargs="+",
+        choices=(*MODEL_ARMS, "no_qknorm"),
+        default=["stock", "qknorm", "qknorm_layernorm_learned"],
+        help="the first is the base of the ratios; no_qknorm: the plugin's attention without QK-norm",
+    )
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--profile", action="store_true", help="then profile three rounds of every arm")
@@ -52,12 +58,16 @@ def main(argv=None):
             seconds[arm].append(one_round(benches[arm]))
     base = seconds[args.arms[0]]
     print(
-        f"| {args.size} fp32, {args.threads} threads | ms per round, median | time / {args.arms[0]} (median of pairs) |"
+        f"| {args.size} fp32, {args.threads} threads | ms per round, median | time / {args.arms[0]} "
+        "(median of pairs) | 95% interval (bootstrap) |"
     )
-    print("|---|---:|---:|")
+    print("|---|---:|---:|---:|")
     for arm, values in seconds.items():
-        ratio = statistics.median(pair_ratios(values, base))
-        print(f"| {arm} | {1000 * statistics.median(values):.1f} | {ratio:.3f} |")
+        ratios = pair_ratios(values, base)
+        lo, hi = median_interval(ratios)
+        print(
+            f"| {arm} | {1000 * statistics.median(values):.1f} | {statistics.median(ratios):.3f} | {lo:.3f}–{hi:.3f} |"
+        )
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

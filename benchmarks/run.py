@@ -1,5 +1,7 @@
 """Benchmark transformer_qknorm against fairseq's transformer: training, generation, the attention
 layer alone and peak memory, each model arm in its own process, arms interleaved round by round.
+`memory` runs the training workload once more, one round, in processes whose allocator returns
+freed blocks to the system, for a peak memory that follows the memory in use.
 
     python -m benchmarks.run                      # CPU, both sizes (~15 min on 2 cores)
     python -m benchmarks.run --device cuda        # GPU, fp16 and bf16
@@ -33,8 +35,12 @@ GENERATE_ONLY = ("stock_beamable",)  # in training it is stock
 # Run beside every other arm, so that each arm has a back-to-back reference in every round.
 # stock_control is stock again in a second process: how far apart identical code measures within
 # a batch, the noise floor that every ratio of that batch carries.
-BASELINES = {"train": ("stock", "stock_control"), "generate": ("stock", "stock_control", "stock_beamable")}
-BENCHMARKS = ("train", "generate", "attention")
+BASELINES = {
+    "train": ("stock", "stock_control"),
+    "memory": ("stock", "stock_control"),
+    "generate": ("stock", "stock_control", "stock_beamable"),
+}
+BENCHMARKS = ("train", "generate", "attention", "memory")
 LENGTHS_ENV = "BENCH_LENGTHS_FROM"
 
 FULL = dict(
@@ -141,6 +147,8 @@ def settings_for(args):
         s["sizes"] = tuple(args.sizes)
     if args.repeats:
         s["repeats"] = args.repeats
+    if args.benchmarks == ["memory"]:  # one round is all that runs
+        s["repeats"] = 1
     s["dtypes"] = tuple(args.dtype or (["fp16", "bf16"] if args.device == "cuda" else ["fp32"]))
     return s
 
@@ -199,6 +207,8 @@ def arm_batches(benchmark, arms, workers):
 def run_group(ctx, benchmark, size, dtype, names, job_base, repeats):
     label = f"{benchmark} {size} {dtype}"
     job = dict(job_base, benchmark=benchmark, size=size, dtype=dtype)
+    if benchmark == "memory":  # every batch once: the peak, not the speed
+        repeats = 1
     workers = {}
     try:
         for name in names:  # one after the other, so that no build or warm-up overlaps another
@@ -252,7 +262,7 @@ def run_group(ctx, benchmark, size, dtype, names, job_base, repeats):
 def round_metrics(benchmark, parts):
     """One arm's speeds over one round, from the sums over its units."""
     total = {k: sum(p[k] for p in parts) for k in parts[0]}
-    if benchmark == "train":
+    if benchmark in ("train", "memory"):
         return {
             "wps": total["target_tokens"] / total["seconds"],
             "wps_cpu": total["target_tokens"] / total["cpu_seconds"],
@@ -266,7 +276,7 @@ def round_metrics(benchmark, parts):
 
 
 def _headline(benchmark, m):
-    if benchmark == "train":
+    if benchmark in ("train", "memory"):
         return f"{m['wps']:.0f}wps"
     if benchmark == "generate":
         return f"{m['sentences_per_s']:.2f}sent/s"

@@ -6,7 +6,7 @@ import traceback
 
 import torch
 
-from .timing import peak_rss_mb
+from .timing import peak_rss_mb, return_freed_memory
 
 
 def _workload(job):
@@ -16,15 +16,17 @@ def _workload(job):
         return AttentionBench(job)
     from .models_bench import GenerateBench, TrainBench
 
-    return {"train": TrainBench, "generate": GenerateBench}[job["benchmark"]](job)
+    # memory: the training workload, for its peak memory alone
+    return {"train": TrainBench, "memory": TrainBench, "generate": GenerateBench}[job["benchmark"]](job)
 
 
 def serve(conn, job):
     try:
         torch.set_num_threads(job["threads"])
+        freed_returned = job["benchmark"] == "memory" and return_freed_memory()
         start_rss = peak_rss_mb()
         bench = _workload(job)
-        info = dict(bench.info)
+        info = dict(bench.info, freed_memory_returned=freed_returned)
         if job["device"].startswith("cuda"):
             info["device_name"] = torch.cuda.get_device_name()
         conn.send({"info": info})

@@ -4,6 +4,7 @@ follow from the numbers. No timing is asserted."""
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -56,8 +57,8 @@ def test_quick_run_measures_every_arm(quick):
     groups = {}
     for g in result["groups"]:
         groups.setdefault(g["benchmark"], []).append(g)
-    assert set(groups) == {"train", "generate", "attention"}
-    for name, expected_arms in (("train", MODEL_ARMS), ("generate", GENERATE_ARMS)):
+    assert set(groups) == {"train", "generate", "attention", "memory"}
+    for name, expected_arms in (("train", MODEL_ARMS), ("memory", MODEL_ARMS), ("generate", GENERATE_ARMS)):
         # in batches, each with its own baselines: every arm once, the baselines in every batch
         baselines = expected_arms[:3] if name == "generate" else expected_arms[:2]
         assert all(list(g["arms"])[: len(baselines)] == baselines for g in groups[name])
@@ -68,6 +69,9 @@ def test_quick_run_measures_every_arm(quick):
             assert arm["peak_rss_mb"] >= arm["start_rss_mb"] > 0
     train = [a for g in groups["train"] for a in g["arms"].values()]
     assert len({a["info"]["target_tokens"] for a in train}) == 1
+    # The memory processes (only they) have the allocator return freed blocks: glibc here.
+    assert not any(a["info"]["freed_memory_returned"] for a in train)
+    assert all(a["info"]["freed_memory_returned"] for g in groups["memory"] for a in g["arms"].values())
     assert all(a["info"]["activations_mb"] > 0 for a in train)
     # Forced lengths: every arm generates every hypothesis to L tokens + </s>.
     gen = {n: a for g in groups["generate"] for n, a in g["arms"].items()}
@@ -92,6 +96,7 @@ def test_quick_run_writes_the_tables_between_markers(quick, tmp_path):
     assert text.count("<!-- BEGIN cpu results") == 1 and "| tiny fp32 | qknorm |" in text
     # the targets table: a row per QK-norm variant
     assert all(f"| tiny fp32 | {arm} | " in text.split("**Targets**")[1] for arm in VARIANTS)
+    assert "train peak memory, freed memory returned <= 1.03" in text.split("**Targets**")[1]
     # Rendering the same file again replaces the section instead of adding one.
     proc = bench("--render", results, "--markdown", md)
     assert proc.returncode == 0, proc.stderr
@@ -263,6 +268,39 @@ def test_targets_use_the_median_of_the_per_pair_ratios():
     assert table.endswith("3 of 4 targets met; 1 missed (in bold).")
 
 
+def test_memory_targets_take_only_processes_that_returned_freed_memory():
+    def arm(peak, returned):
+        return {
+            "metrics": {"wps": [1.0]},
+            "peak_rss_mb": peak,
+            "start_rss_mb": 300.0,
+            "info": {"freed_memory_returned": returned},
+        }
+
+    groups = [
+        {
+            "benchmark": "memory",
+            "size": "glen",
+            "dtype": "fp32",
+            "batch": 1,
+            "arms": {"stock": arm(1000, True), "qknorm": arm(1020, True), "qknorm_l2_none": arm(1050, True)},
+        },
+        {
+            "benchmark": "memory",
+            "size": "glen",
+            "dtype": "fp32",
+            "batch": 2,
+            "arms": {"stock": arm(1000, False), "qknorm_rmsnorm_none": arm(1100, False)},
+        },
+    ]
+    checks = {(arm, key): (round(value, 3), ok) for _, arm, key, value, ok in report.targets(groups)}
+    assert checks == {
+        ("qknorm", ("memory", "peak")): (1.02, True),
+        ("qknorm_l2_none", ("memory", "peak")): (1.05, False),
+    }
+    assert "| glen fp32 #2 | qknorm_rmsnorm_none | 1,100 | 1.100 | 300 |" in report.memory_table(groups)
+
+
 def test_generation_targets_include_the_like_for_like_ratio():
     def speed(values):
         return {"metrics": {"sentences_per_s": values}, "peak_rss_mb": 100, "info": {}}
@@ -328,15 +366,24 @@ def test_a_speed_miss_is_within_the_noise_floor_only_if_identical_code_missed_as
 def test_one_process_times_every_arm_against_the_first(corpus):
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.one_process", "--size", "tiny", "--rounds", "2", "--threads", "1"]
-        + ["--arms", "stock", "qknorm_rmsnorm_none", "--lengths-from", corpus],
+        + ["--arms", "stock", "qknorm_rmsnorm_none", "no_qknorm", "--lengths-from", corpus],
         cwd=ROOT,
         capture_output=True,
         text=True,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ")]
-    assert [r[0].strip() for r in rows[1:]] == ["stock", "qknorm_rmsnorm_none"]
+    assert [r[0].strip() for r in rows[1:]] == ["stock", "qknorm_rmsnorm_none", "no_qknorm"]
     assert float(rows[1][2]) == 1.0 and float(rows[2][1]) > 0
+    assert rows[1][3].strip() == "1.000–1.000"
+
+
+def test_median_interval_brackets_the_median_within_the_values():
+    values = [0.9, 0.95, 1.0, 1.02, 1.05, 1.1, 1.3]
+    lo, hi = report.median_interval(values)
+    assert min(values) <= lo <= statistics.median(values) <= hi <= max(values) and lo < hi
+    assert report.median_interval([1.0] * 5) == (1.0, 1.0)
+    assert report.median_interval(values) == (lo, hi)  # seeded: the same interval every run
 
 
 def test_norm_alone_times_every_norm_and_its_composition_against_l2(capsys):
