@@ -1,9 +1,11 @@
-"""Training step time of a few model arms in one process: `python -m benchmarks.one_process`.
+"""Training (or generation) time of a few model arms in one process: `python -m benchmarks.one_process`.
 
 The runner (benchmarks.run) gives every arm its own process, and identical code measures a few
 percent apart between processes. Here the arms share one process and are interleaved round by
 round, so no process offset enters the ratios; with --profile, torch's profiler then says which
-operators the time goes to, per arm. The workload is the training benchmark's (TrainBench)."""
+operators the time goes to, per arm. The workloads are the runner's: its training steps
+(TrainBench), or with --benchmark generate its beam search (GenerateBench, stock_beamable the
+like-for-like base)."""
 
 import argparse
 import os
@@ -20,6 +22,7 @@ from .timing import timed
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.one_process", description=__doc__.split("\n")[0])
+    p.add_argument("--benchmark", choices=("train", "generate"), default="train")
     p.add_argument("--size", choices=("glen", "small", "tiny"), default="small")
     p.add_argument(
         "--arms",
@@ -41,12 +44,13 @@ def main(argv=None):
         read_pair_lengths(*args.lengths_from.split(","))
     except ValueError as e:
         sys.exit(f"error: {e}")
-    from .models_bench import TrainBench
+    from .models_bench import GenerateBench, TrainBench
 
+    bench_class = TrainBench if args.benchmark == "train" else GenerateBench
     torch.set_num_threads(args.threads)
-    job = dict(FULL, device="cpu", threads=args.threads, seed=1, size=args.size, dtype="fp32", benchmark="train")
-    job["lengths_from"] = tuple(args.lengths_from.split(","))
-    benches = {arm: TrainBench(dict(job, arm=arm)) for arm in args.arms}
+    job = dict(FULL, device="cpu", threads=args.threads, seed=1, size=args.size, dtype="fp32")
+    job.update(benchmark=args.benchmark, lengths_from=tuple(args.lengths_from.split(",")))
+    benches = {arm: bench_class(dict(job, arm=arm)) for arm in args.arms}
 
     def one_round(bench):
         return timed(lambda: [bench.measure(unit) for unit in range(bench.info["units"])], "cpu")
@@ -58,7 +62,7 @@ def main(argv=None):
             seconds[arm].append(one_round(benches[arm]))
     base = seconds[args.arms[0]]
     print(
-        f"| {args.size} fp32, {args.threads} threads | ms per round, median | time / {args.arms[0]} "
+        f"| {args.benchmark} {args.size} fp32, {args.threads} threads | ms per round, median | time / {args.arms[0]} "
         "(median of pairs) | 95% interval (bootstrap) |"
     )
     print("|---|---:|---:|---:|")

@@ -378,6 +378,20 @@ def test_one_process_times_every_arm_against_the_first(corpus):
     assert rows[1][3].strip() == "1.000–1.000"
 
 
+def test_one_process_times_generation_too(corpus):
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.one_process", "--benchmark", "generate", "--size", "tiny"]
+        + ["--rounds", "2", "--threads", "1", "--arms", "stock_beamable", "qknorm", "--lengths-from", corpus],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert rows[0][0].strip() == "generate tiny fp32, 1 threads"
+    assert [r[0].strip() for r in rows[1:]] == ["stock_beamable", "qknorm"] and float(rows[2][1]) > 0
+
+
 def test_median_interval_brackets_the_median_within_the_values():
     values = [0.9, 0.95, 1.0, 1.02, 1.05, 1.1, 1.3]
     lo, hi = report.median_interval(values)
