@@ -52,9 +52,16 @@ def target_arms(arms):
     return [a for a in arms if a.startswith("qknorm") and a != PLAIN]
 
 
+def _memory_key(arm):
+    return "peak_cuda_mb" if "peak_cuda_mb" in arm else "peak_rss_mb"
+
+
+def _memory_ratio(arm, base):
+    return arm[_memory_key(arm)] / base[_memory_key(base)]
+
+
 def _memory(arm, base):
-    key = "peak_cuda_mb" if "peak_cuda_mb" in arm else "peak_rss_mb"
-    return _fmt(arm[key]), f"{arm[key] / base[key]:.3f}"
+    return _fmt(arm[_memory_key(arm)]), f"{_memory_ratio(arm, base):.3f}"
 
 
 def model_table(groups, benchmark, metric, cpu_metric, unit, extra=None):
@@ -184,10 +191,9 @@ def targets(groups):
             for name in target_arms(g["arms"]):
                 arm = g["arms"][name]
                 if arm["info"].get("freed_memory_returned"):  # else it is the train peak again
-                    check(g, name, ("memory", "peak"), float(_memory(arm, base)[1]))
+                    check(g, name, ("memory", "peak"), _memory_ratio(arm, base))
         if g["benchmark"] in ("train", "generate"):
             base = g["arms"][BASELINE]
-            memory_key = "peak_cuda_mb" if "peak_cuda_mb" in base else "peak_rss_mb"
             metric = "wps" if g["benchmark"] == "train" else "sentences_per_s"
             for name in target_arms(g["arms"]):
                 arm = g["arms"][name]
@@ -210,7 +216,7 @@ def targets(groups):
                             ("generate", "like for like"),
                             statistics.median(pair_ratios(arm["metrics"][metric], same)),
                         )
-                check(g, name, (g["benchmark"], "memory"), arm[memory_key] / base[memory_key])
+                check(g, name, (g["benchmark"], "memory"), _memory_ratio(arm, base))
         if g["benchmark"] == "attention":
             for case, times in g["cases"].items():
                 if "fwd+bwd" in case and int(case.split("T=")[1].split()[0]) >= FUSED_FROM_T:
