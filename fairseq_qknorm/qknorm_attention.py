@@ -49,18 +49,20 @@ class ScaledUnitNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y: Tensor):
         # dy/dx = (g / ||x||) (I - u u^T), u = x / ||x|| = y / g. In y, with two passes over it:
-        # grad_x = (grad_y - y (y . grad_y) / g^2) * g / ||x||;  grad_g = (y . grad_y) / g.
+        # grad_x = grad_y * g / ||x|| - y (y . grad_y) / (g ||x||);  grad_g = (y . grad_y) / g.
         y, inv_norm, g = ctx.saved_tensors
         dtype = y.dtype
         y, grad_y = y.to(inv_norm.dtype), grad_y.to(inv_norm.dtype)  # no-ops in float32
-        one = torch.ones((), dtype=y.dtype, device=y.device)
-        g = one if g is None else g
+        dot = torch.linalg.vecdot(y, grad_y).unsqueeze_(-1)
         # g == 0 makes y == 0: grad_x is 0 (the factor g), whatever the division by g gives; grad_g is lost.
-        safe_g = torch.where(g == 0, one, g)
-        dot = torch.linalg.vecdot(y, grad_y).unsqueeze(-1)
-        grad_x = torch.addcmul(grad_y, y, dot / (safe_g * safe_g), value=-1.0).mul_(inv_norm * g).to(dtype)
-        grad_g = (dot / safe_g).sum_to_size(g.shape) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_g
+        safe_g = None if g is None else torch.where(g == 0, 1.0, g)
+        # grad_x dense, in y's layout (x's), whatever the layout of the gradient attention passes back:
+        # the gradient then reaches the projection as a view, and the second pass runs over one layout.
+        grad_x = torch.empty_like(y)
+        torch.mul(grad_y, inv_norm if g is None else inv_norm * g, out=grad_x)
+        grad_x.addcmul_(y, dot * (inv_norm if g is None else inv_norm / safe_g), value=-1.0)
+        grad_g = dot.sum_to_size(g.shape) / safe_g if ctx.needs_input_grad[1] else None
+        return grad_x.to(dtype), grad_g
 
 
 def _memory_order(x: Tensor) -> List[int]:
