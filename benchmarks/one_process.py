@@ -5,7 +5,8 @@ percent apart between processes. Here the arms share one process and are interle
 round, so no process offset enters the ratios; with --profile, torch's profiler then says which
 operators the time goes to, per arm. The workloads are the runner's: its training steps
 (TrainBench), or with --benchmark generate its beam search (GenerateBench, stock_beamable the
-like-for-like base)."""
+like-for-like base). The arms of benchmarks.norm_bounds (one_pass, l2_compiled) put a stand-in in
+the place of the l2 norm, to bound what a faster one could gain."""
 
 import argparse
 import os
@@ -15,6 +16,7 @@ import sys
 import torch
 
 from .lengths import read_pair_lengths
+from .norm_bounds import STAND_INS, standing_in
 from .report import median_interval, pair_ratios
 from .run import FULL, LENGTHS_ENV, MODEL_ARMS
 from .timing import timed
@@ -27,9 +29,10 @@ def main(argv=None):
     p.add_argument(
         "--arms",
         nargs="+",
-        choices=(*MODEL_ARMS, "no_qknorm"),
+        choices=(*MODEL_ARMS, "no_qknorm", *STAND_INS),
         default=["stock", "qknorm", "qknorm_layernorm_learned"],
-        help="the first is the base of the ratios; no_qknorm: the plugin's attention without QK-norm",
+        help="the first is the base of the ratios; no_qknorm: the plugin's attention without QK-norm; "
+        f"{', '.join(STAND_INS)}: qknorm with a stand-in for its norm (benchmarks.norm_bounds)",
     )
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--threads", type=int, default=2)
@@ -50,16 +53,21 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     job = dict(FULL, device="cpu", threads=args.threads, seed=1, size=args.size, dtype="fp32")
     job.update(benchmark=args.benchmark, lengths_from=tuple(args.lengths_from.split(",")))
-    benches = {arm: bench_class(dict(job, arm=arm)) for arm in args.arms}
+    benches = {}
+    for arm in args.arms:
+        with standing_in(arm):
+            benches[arm] = bench_class(dict(job, arm="qknorm" if arm in STAND_INS else arm))
 
-    def one_round(bench):
-        return timed(lambda: [bench.measure(unit) for unit in range(bench.info["units"])], "cpu")
+    def one_round(arm):
+        bench = benches[arm]
+        with standing_in(arm):
+            return timed(lambda: [bench.measure(unit) for unit in range(bench.info["units"])], "cpu")
 
     seconds = {arm: [] for arm in args.arms}
     for r in range(args.rounds):
         order = args.arms[r % len(args.arms) :] + args.arms[: r % len(args.arms)]
         for arm in order:
-            seconds[arm].append(one_round(benches[arm]))
+            seconds[arm].append(one_round(arm))
     base = seconds[args.arms[0]]
     print(
         f"| {args.benchmark} {args.size} fp32, {args.threads} threads | ms per round, median | time / {args.arms[0]} "
@@ -75,10 +83,10 @@ def main(argv=None):
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        for arm, bench in benches.items():
+        for arm in benches:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(3):
-                    one_round(bench)
+                    one_round(arm)
             print(f"\n{arm}, three rounds:")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=40))
 

@@ -15,7 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `benchmarks` is a folder of the repository, not an installed package
 
-from benchmarks import report  # noqa: E402
+from benchmarks import norm_bounds, report  # noqa: E402
 from benchmarks.run import arm_batches, update_markdown  # noqa: E402
 from benchmarks.variants import QK_VARIANTS  # noqa: E402
 
@@ -366,16 +366,41 @@ def test_a_speed_miss_is_within_the_noise_floor_only_if_identical_code_missed_as
 def test_one_process_times_every_arm_against_the_first(corpus):
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.one_process", "--size", "tiny", "--rounds", "2", "--threads", "1"]
-        + ["--arms", "stock", "qknorm_rmsnorm_none", "no_qknorm", "--lengths-from", corpus],
+        + ["--arms", "stock", "qknorm_rmsnorm_none", "no_qknorm", "one_pass", "--lengths-from", corpus],
         cwd=ROOT,
         capture_output=True,
         text=True,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ")]
-    assert [r[0].strip() for r in rows[1:]] == ["stock", "qknorm_rmsnorm_none", "no_qknorm"]
+    assert [r[0].strip() for r in rows[1:]] == ["stock", "qknorm_rmsnorm_none", "no_qknorm", "one_pass"]
     assert float(rows[1][2]) == 1.0 and float(rows[2][1]) > 0
     assert rows[1][3].strip() == "1.000–1.000"
+
+
+@pytest.mark.parametrize("g", [None, 0.0, 7.5], ids=["no-g", "zero-g", "g"])
+def test_the_compiled_stand_in_computes_what_the_l2_norm_does(g):
+    """The math l2_compiled compiles, run uncompiled: the values and gradients of ScaledUnitNorm."""
+    from fairseq_qknorm.qknorm_attention import ScaledUnitNorm
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 2, 3, 8).permute(1, 2, 0, 3).requires_grad_()
+    grad = torch.randn(2, 3, 5, 8)
+    g_in = None if g is None else torch.tensor(g, requires_grad=True)
+    want = ScaledUnitNorm.apply(x, g_in)
+    want_grads = torch.autograd.grad(want, [x] + ([] if g_in is None else [g_in]), grad)
+    g_t = torch.tensor(1.0 if g is None else g)
+    y, inv_norm = norm_bounds.l2_forward(x.detach(), g_t)
+    torch.testing.assert_close(y, want)
+    grad_x, grad_g = norm_bounds.l2_backward(y, grad, inv_norm, g_t)
+    torch.testing.assert_close(grad_x, want_grads[0])
+    if g_in is not None:
+        torch.testing.assert_close(grad_g, want_grads[1])
+    with norm_bounds.standing_in("one_pass"):
+        from fairseq_qknorm import qknorm_attention
+
+        assert qknorm_attention.ScaledUnitNorm is norm_bounds.OnePass
+    assert qknorm_attention.ScaledUnitNorm is ScaledUnitNorm
 
 
 def test_one_process_times_generation_too(corpus):
