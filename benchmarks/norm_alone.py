@@ -2,10 +2,10 @@
 
 Forward and backward of the normalization of q (with g), for the l2 norm (ScaledUnitNorm), LayerNorm
 and RMSNorm (ScaledAffineNorm), against what they replace: the composition of torch ops
-(`F.normalize`, `F.layer_norm`, `F.rms_norm`, then a multiply by g). q comes in the layout attention
-gives it (a permuted view of the projection) and its gradient in the layout SDPA's CPU backward
-returns. Every function runs in one process, interleaved round by round; the ratios are to the l2
-norm of the paper, the medians of per-round pairs."""
+(`F.normalize`, `F.layer_norm`, `F.rms_norm`, then a multiply by g). q comes as attention normalizes
+it (the projection's output split into heads) and its gradient as attention passes it back (SDPA's
+CPU backward's, permuted back). Every function runs in one process, interleaved round by round; the
+ratios are to the l2 norm of the paper, the medians of per-round pairs."""
 
 import argparse
 import functools
@@ -55,8 +55,8 @@ def main(argv=None):
         time_len = 25
         batch = TOKENS // time_len
         gen = torch.Generator().manual_seed(0)
-        x = torch.randn(time_len, batch, heads, dim, generator=gen).permute(1, 2, 0, 3)  # as _split_heads
-        grad = torch.randn(batch, time_len, heads, dim, generator=gen).permute(0, 2, 1, 3)  # as SDPA's
+        x = torch.randn(time_len, batch, heads, dim, generator=gen)
+        grad = torch.randn(batch, heads, time_len, dim, generator=gen).permute(2, 0, 1, 3)
         w = (1 + 0.1 * torch.randn(dim, generator=gen)).requires_grad_()
         b = (0.1 * torch.randn(dim, generator=gen)).requires_grad_()
         g = torch.tensor(QK_SCALE_INIT, requires_grad=True)

@@ -5,7 +5,7 @@ learnable scalar g instead of 1/sqrt(d). V is untouched. Everything else (projec
 incremental cache and its beam reordering) is fairseq's MultiheadAttention, which this subclasses.
 """
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -65,55 +65,32 @@ class ScaledUnitNorm(torch.autograd.Function):
         return grad_x.to(dtype), grad_g
 
 
-def _memory_order(x: Tensor) -> List[int]:
-    """x's dims from the outermost in memory to the innermost, the last (normalized) one last:
-    x.permute(order) is contiguous for the permuted views attention normalizes, so the kernels
-    below run over one dense array and keep x's layout."""
-    return sorted(range(x.dim() - 1), key=lambda d: -x.stride(d)) + [x.dim() - 1]
-
-
-def _inverse(order: List[int]) -> List[int]:
-    return sorted(range(len(order)), key=order.__getitem__)
-
-
-def _to_order(g: Optional[Tensor], order: List[int], ndim: int) -> Optional[Tensor]:
-    """A per-head g, as it broadcasts against x.permute(order); a scalar g or None as it is."""
-    if g is None or g.dim() == 0:
-        return g
-    return g.reshape((1,) * (ndim - g.dim()) + tuple(g.shape)).permute(order)
-
-
 class ScaledAffineNorm(torch.autograd.Function):
     """y = g * (w * n(x) + b) over the last dim: n(x) = (x - mean) * rstd (LayerNorm, center=True)
     or x * rstd (RMSNorm), rstd = 1 / sqrt(mean of the squares of x - mean, or of x, + eps); bias
-    None for RMSNorm, g a scalar, per-head g or None (= 1).
+    None for RMSNorm, g a scalar, a per-head g that broadcasts against x, or None (= 1).
 
     Written out for ScaledUnitNorm's reason, memory: composed from nn.LayerNorm / nn.RMSNorm and a
     multiply by g, autograd keeps the projection output, the normalized tensor and (RMSNorm) two more
-    intermediates besides y; and LayerNorm's contiguous output made attention's output need a copy
-    before out_proj. Here only y, the tensor attention keeps anyway, and the per-row rstd are kept;
-    backward recovers n(x) = (y / g - b) / w, as apex's memory-efficient LayerNorm does. That division
-    is exact up to rounding unless a weight is near zero: there the output has lost n(x), and backward
-    divides by a weight clamped to |w| >= eps instead (apex's choice too), which keeps the gradients
-    finite. Sums and products in float32; y has the memory layout of x.
+    intermediates besides y. Here only y, the tensor attention keeps anyway, and the per-row rstd are
+    kept; backward recovers n(x) = (y / g - b) / w, as apex's memory-efficient LayerNorm does. That
+    division is exact up to rounding unless a weight is near zero: there the output has lost n(x), and
+    backward divides by a weight clamped to |w| >= eps instead (apex's choice too), which keeps the
+    gradients finite. Sums and products in float32.
 
     Backward is torch's fused LayerNorm backward given n(x) as its input with mean 0 and rstd 1
     (its x-hat is then n(x)), and multiplied by rstd afterwards; RMSNorm's adds back the row mean
     LayerNorm's subtracts. Written as elementwise ops in attention's permuted layout instead, a
-    forward and backward took 1.3 to 2.5 times the l2 norm's time on a CPU, now about the same
-    (`python -m benchmarks.norm_alone`); the kernels run over x's memory order (`_memory_order`),
-    where the elementwise ops are over one dense array too.
+    forward and backward took 1.3 to 2.5 times the l2 norm's time on a CPU. `python -m
+    benchmarks.norm_alone` times these functions against the l2 norm and the torch compositions.
     """
 
     @staticmethod
     def values(
         x: Tensor, weight: Tensor, bias: Optional[Tensor], g: Optional[Tensor], eps: float, center: bool
     ) -> Tuple[Tensor, Tensor]:
-        """(y, rstd), without autograd: what beam search calls. rstd is in x's memory order."""
+        """(y, rstd), without autograd: what beam search calls."""
         acc = torch.promote_types(x.dtype, torch.float32)
-        order = _memory_order(x)
-        x = x.permute(order)
-        g = _to_order(g, order, x.dim())
         w, b = weight.to(acc), None if bias is None else bias.to(acc)
         if g is not None and g.dim() == 0:  # a scalar g goes into the kernel's weight and bias
             w, b, g = w * g, None if b is None else b * g, None
@@ -126,7 +103,7 @@ class ScaledAffineNorm(torch.autograd.Function):
             torch.mul(xf * rstd, w, out=y)
         if g is not None:  # per head
             y.mul_(g)
-        return y.permute(_inverse(order)), rstd
+        return y, rstd
 
     @staticmethod
     def forward(ctx, x, weight, bias, g, eps, center):
@@ -139,18 +116,15 @@ class ScaledAffineNorm(torch.autograd.Function):
     def backward(ctx, grad_y: Tensor):
         y, rstd, weight, bias, g = ctx.saved_tensors
         acc = rstd.dtype
-        order = _memory_order(y)
-        inverse = _inverse(order)
-        y = y.permute(order)
-        gs = _to_order(g, order, y.dim())
-        # g goes into the incoming gradient: the kernel then sees weight w and bias b.
+        # g goes into the incoming gradient: the kernel then sees weight w and bias b. dy is dense,
+        # in y's layout, whatever the layout of the gradient attention passes back.
         dy = torch.empty(y.shape, dtype=acc, device=y.device)
-        torch.mul(grad_y.permute(order), 1.0 if gs is None else gs, out=dy)  # in y's memory order
+        torch.mul(grad_y, 1.0 if g is None else g, out=dy)
         # n(x) = (y - g b) / (g w) = y / (g w) - b / w. g == 0 makes y and dy 0, and then every
         # gradient is 0 whatever n is (g's own is lost): n only needs to be finite.
         w, b = weight.to(acc), None if bias is None else bias.to(acc)
         clamped = w.abs().clamp_min(ctx.eps).copysign(w)
-        safe_g = None if g is None else torch.where(gs == 0, 1.0, gs)
+        safe_g = None if g is None else torch.where(g == 0, 1.0, g)
         inv_a = (clamped if g is None else safe_g * clamped).reciprocal()
         n = y * inv_a if b is None else torch.addcmul(-b / clamped, y, inv_a)
         want_w = ctx.needs_input_grad[1] or ctx.needs_input_grad[3]
@@ -161,7 +135,7 @@ class ScaledAffineNorm(torch.autograd.Function):
         )
         if not ctx.center:  # RMSNorm: no mean subtracted in forward, none in backward
             grad_n += (dy @ w).unsqueeze_(-1).div_(n.size(-1))
-        grad_x = grad_n.mul_(rstd).to(y.dtype).permute(inverse)
+        grad_x = grad_n.mul_(rstd).to(y.dtype)
         grad_w = sum_w.to(weight.dtype) if ctx.needs_input_grad[1] else None
         grad_b = sum_b.to(bias.dtype) if ctx.needs_input_grad[2] else None
         grad_g = None
@@ -169,8 +143,7 @@ class ScaledAffineNorm(torch.autograd.Function):
             if g.dim() == 0:
                 grad_g = (w.dot(sum_w) if b is None else w.dot(sum_w) + b.dot(sum_b)) / safe_g
             else:
-                per_head = (dy * y).sum_to_size(gs.shape) / (safe_g * safe_g)
-                grad_g = per_head.permute(inverse).reshape(g.shape)
+                grad_g = (dy * y).sum_to_size(g.shape) / (safe_g * safe_g)
         return grad_x, grad_w, grad_b, grad_g, None, None
 
 
@@ -193,8 +166,13 @@ class QKScale(nn.Module):
 
         return super()._apply(keep_float32, recurse)
 
+    @property
+    def value(self) -> Tensor:
+        """g as it broadcasts against (time, batch, heads, head_dim): a scalar, or (heads, 1)."""
+        return self.g if self.g.dim() == 0 else self.g.view(-1, 1)
+
     def forward(self, x: Tensor) -> Tensor:
-        return (x.float() * self.g).type_as(x)
+        return (x.float() * self.value).type_as(x)
 
 
 class QKNormAttention(MultiheadAttention):
@@ -235,12 +213,13 @@ class QKNormAttention(MultiheadAttention):
             self.qk_scale = QKScale(qk_scale_init, num_heads, qk_scale_per_head, qk_scale == "learned")
 
     def _normalize(self, x: Tensor, which: str) -> Tensor:
-        """x: (batch, heads, time, head_dim). g, when there is one, goes into the queries: SDPA's
-        scale is a Python float, g a tensor."""
+        """x: (time, batch, heads, head_dim), the projection's output as it lies in memory: the
+        normalization kernels run over its rows, and x's gradient is then a view of the projection's.
+        g, when there is one, goes into the queries: SDPA's scale is a Python float, g a tensor."""
         scale = self.qk_scale if which == "q" else None
         if self.qk_norm == "none":
             return x if scale is None else scale(x)
-        g = None if scale is None else scale.g
+        g = None if scale is None else scale.value
         if self.qk_norm == "l2":
             args = (x, g)
             norm = ScaledUnitNorm
@@ -253,10 +232,11 @@ class QKNormAttention(MultiheadAttention):
             norm = ScaledAffineNorm
         return norm.apply(*args) if torch.is_grad_enabled() else norm.values(*args)[0]
 
-    def _split_heads(self, x: Tensor) -> Tensor:
-        """(time, batch, embed) -> (batch, heads, time, head_dim)."""
+    def _split_heads(self, x: Tensor, which: Optional[str] = None) -> Tensor:
+        """(time, batch, embed) -> (batch, heads, time, head_dim); "q" or "k" normalized on the way."""
         t, b, _ = x.shape
-        return x.view(t, b, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+        x = x.view(t, b, self.num_heads, self.head_dim)
+        return (x if which is None else self._normalize(x, which)).permute(1, 2, 0, 3)
 
     def forward(
         self,
@@ -275,7 +255,7 @@ class QKNormAttention(MultiheadAttention):
         tgt_len, bsz, embed_dim = query.shape
         saved = self._get_input_buffer(incremental_state) if incremental_state is not None else None
 
-        q = self._normalize(self._split_heads(self.q_proj(query)), "q")  # g included
+        q = self._split_heads(self.q_proj(query), "q")  # g included
 
         if saved is not None and static_kv and "prev_key" in saved:
             # Cross attention after the first step: keys and values come from the cache.
@@ -292,7 +272,7 @@ class QKNormAttention(MultiheadAttention):
                 key = value = key[:, :: self.beam_size]
                 if key_padding_mask is not None:
                     key_padding_mask = key_padding_mask[:: self.beam_size]
-            k = self._normalize(self._split_heads(self.k_proj(key)), "k")
+            k = self._split_heads(self.k_proj(key), "k")
             v = self._split_heads(self.v_proj(value))
             if saved is not None:
                 if "prev_key" in saved:  # decoder self attention: append this step

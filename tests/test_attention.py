@@ -136,22 +136,32 @@ def test_none_equals_fairseq_multihead_attention(cross):
             torch.testing.assert_close(wb, wa, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("g_shape", [None, (), (H, 1, 1)], ids=["no-g", "scalar-g", "per-head-g"])
+def sdpa_gradient(dtype=torch.float32):
+    """A gradient for (time, batch, heads, dim) as attention passes one back: SDPA's, for
+    (batch, heads, time, dim), permuted back."""
+    return torch.randn(B, H, T, D, dtype=dtype).permute(2, 0, 1, 3)
+
+
+@pytest.mark.parametrize("g_shape", [None, (), (H, 1)], ids=["no-g", "scalar-g", "per-head-g"])
 def test_scaled_unit_norm_has_the_gradients_of_g_x_over_norm_x(g_shape):
+    """x as attention normalizes it (the projection's output, split into heads), g as QKScale.value."""
     torch.manual_seed(0)
-    x = torch.randn(B, H, T, D, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(T, B, H, D, dtype=torch.float64, requires_grad=True)
     g = None if g_shape is None else (torch.rand(g_shape, dtype=torch.float64) * 10 + 0.5).requires_grad_()
     assert torch.autograd.gradcheck(ScaledUnitNorm.apply, (x, g))
     # and the same values and gradients as the plain composition, in float32
     x32 = x.detach().float().requires_grad_()
     g32 = None if g is None else g.detach().float().requires_grad_()
-    grad = torch.randn(B, H, T, D)
+    grad = sdpa_gradient()
     ours = ScaledUnitNorm.apply(x32, g32)
     want = F.normalize(x32, dim=-1) * (1.0 if g32 is None else g32)
     torch.testing.assert_close(ours, want)
     inputs = [x32] + ([] if g32 is None else [g32])
-    for a, b in zip(torch.autograd.grad(ours, inputs, grad), torch.autograd.grad(want, inputs, grad)):
+    got = torch.autograd.grad(ours, inputs, grad)
+    for a, b in zip(got, torch.autograd.grad(want, inputs, grad)):
         torch.testing.assert_close(a, b)
+    # x's gradient comes dense, in x's layout: the projection's gradient is then a view, not a copy
+    assert got[0].stride() == x32.stride()
 
 
 def plain_norm(x, weight, bias, g, eps, center):
@@ -160,7 +170,7 @@ def plain_norm(x, weight, bias, g, eps, center):
     return y if g is None else (y.float() * g).type_as(y)
 
 
-AFFINE_CASES = list(itertools.product([True, False], [None, (), (H, 1, 1)]))
+AFFINE_CASES = list(itertools.product([True, False], [None, (), (H, 1)]))
 
 
 def affine_ids(case):
@@ -169,9 +179,9 @@ def affine_ids(case):
 
 
 def affine_inputs(center, g_shape, seed=0):
-    """float64 x (in the permuted layout attention gives it), weight, bias (LayerNorm only), g."""
+    """float64 x (as attention normalizes it), weight, bias (LayerNorm only), g (as QKScale.value)."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, B, H, D, generator=gen, dtype=torch.float64).permute(1, 2, 0, 3)
+    x = torch.randn(T, B, H, D, generator=gen, dtype=torch.float64)
     w = torch.rand(D, generator=gen, dtype=torch.float64) + 0.5
     b = torch.randn(D, generator=gen, dtype=torch.float64) if center else None
     g = None if g_shape is None else torch.rand(g_shape, generator=gen, dtype=torch.float64) * 10 + 0.5
@@ -194,8 +204,10 @@ def test_scaled_affine_norm_equals_layernorm_or_rmsnorm_times_g(case):
             t.requires_grad_()
     assert torch.autograd.gradcheck(lambda *a: ScaledAffineNorm.apply(*a, 1e-5, center), (x, w, b, g))
     y = ScaledAffineNorm.apply(x, w, b, g, 1e-5, center)
-    assert y.stride() == x.stride()  # attention's output then reshapes for out_proj without a copy
-    grad = torch.randn(x.shape, dtype=torch.float64)
+    grad = sdpa_gradient(torch.float64)
+    # y and x's gradient in x's layout: attention's output then reshapes for out_proj without a
+    # copy, and the projection's gradient is a view
+    assert y.stride() == x.stride() and torch.autograd.grad(y, x, grad)[0].stride() == x.stride()
     exact = values_and_grads(plain_norm, (x, w, b, g), grad, center)
 
     def cast(dtype):
