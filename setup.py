@@ -11,7 +11,7 @@ from setuptools import find_packages, setup
 
 setup(
     name="fairseq-qknorm",
-    version="0.1.2",
+    version="0.1.3",
     description="Query-Key Normalization for fairseq transformers (Henry et al., EMNLP Findings 2020)",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",

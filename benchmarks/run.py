@@ -3,7 +3,7 @@ layer alone and peak memory, each model arm in its own process, arms interleaved
 `memory` runs the training workload once more, one round, in processes whose allocator returns
 freed blocks to the system, for a peak memory that follows the memory in use.
 
-    python -m benchmarks.run                      # CPU, both sizes (train, generate, memory: 28 min on 2 cores)
+    python -m benchmarks.run                      # CPU, both sizes (train, generate, memory: 28 to 32 min on 2 cores)
     python -m benchmarks.run --device cuda        # GPU, fp16 and bf16
     python -m benchmarks.run --quick              # tiny sizes, one round: checks that it runs
     python -m benchmarks.run --render FILE.json   # the Markdown tables of earlier results

@@ -7,7 +7,7 @@ Use as `--user-dir $(fairseq-qknorm-user-dir)` with any fairseq command; it regi
 
 import os
 
-__version__ = "0.1.2"
+__version__ = "0.1.3"
 USER_DIR = os.path.dirname(os.path.abspath(__file__))
 
 try:
