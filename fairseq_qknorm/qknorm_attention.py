@@ -47,10 +47,11 @@ class ScaledUnitNorm(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx, grad_y: Tensor):
-        # dy/dx = (g / ||x||) (I - u u^T), u = x / ||x|| = y / g. In y, with two passes over it:
-        # grad_x = grad_y * g / ||x|| - y (y . grad_y) / (g ||x||);  grad_g = (y . grad_y) / g.
-        y, inv_norm, g = ctx.saved_tensors
+    def gradients(y: Tensor, grad_y: Tensor, inv_norm: Tensor, g: Optional[Tensor], want_g: bool):
+        """(grad_x, grad_g or None) from what forward kept.
+
+        dy/dx = (g / ||x||) (I - u u^T), u = x / ||x|| = y / g. In y, with two passes over it:
+        grad_x = grad_y * g / ||x|| - y (y . grad_y) / (g ||x||);  grad_g = (y . grad_y) / g."""
         dtype = y.dtype
         y, grad_y = y.to(inv_norm.dtype), grad_y.to(inv_norm.dtype)  # no-ops in float32
         dot = torch.linalg.vecdot(y, grad_y).unsqueeze_(-1)
@@ -61,8 +62,13 @@ class ScaledUnitNorm(torch.autograd.Function):
         grad_x = torch.empty_like(y)
         torch.mul(grad_y, inv_norm if g is None else inv_norm * g, out=grad_x)
         grad_x.addcmul_(y, dot * (inv_norm if g is None else inv_norm / safe_g), value=-1.0)
-        grad_g = dot.sum_to_size(g.shape) / safe_g if ctx.needs_input_grad[1] else None
+        grad_g = dot.sum_to_size(g.shape) / safe_g if want_g else None
         return grad_x.to(dtype), grad_g
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor):
+        y, inv_norm, g = ctx.saved_tensors
+        return ScaledUnitNorm.gradients(y, grad_y, inv_norm, g, ctx.needs_input_grad[1])
 
 
 class ScaledAffineNorm(torch.autograd.Function):
