@@ -9,6 +9,7 @@ that arm's model is built and timed.
   needed; the first rounds pay the build)."""
 
 import contextlib
+import functools
 
 import torch
 
@@ -32,13 +33,10 @@ class OnePass(torch.autograd.Function):
         return grad_y * (1.0 if g is None else g), None
 
 
-_compiled = {}
-
-
+@functools.cache
 def _compile(fn):
-    if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, dynamic=True)
-    return _compiled[fn]
+    """fn compiled once, on first use: importing this module (every one_process run does) stays cheap."""
+    return torch.compile(fn, dynamic=True)
 
 
 class CompiledUnitNorm(ScaledUnitNorm):
