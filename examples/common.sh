@@ -330,15 +330,39 @@ train_arm_settings() {
     echo "$settings"
 }
 
-train_arm() {
-    local dir=$1 arch=$2; shift 2
-    local seed=${dir##*seed}
+# train_command SAVE_DIR SEED ARCH [EXTRA FLAGS...]: the fairseq-train command line of every recipe
+# (optimizer, schedule, criterion, batches, validation with --eval-bleu, budget), in the array
+# TRAIN_COMMAND. CHECKPOINT_FLAGS (default --no-epoch-checkpoints) says which checkpoints to keep.
+train_command() {
+    local save_dir=$1 seed=$2 arch=$3; shift 3
     local validation=(--validate-interval "$VALID_EPOCHS")
     [ "$VALID_UPDATES" -gt 0 ] && validation+=(--validate-interval-updates "$VALID_UPDATES")
     local budget=()
     [ "$MAX_UPDATE" -gt 0 ] && budget+=(--max-update "$MAX_UPDATE")
     [ -n "$STOP_HOURS" ] && budget+=(--stop-time-hours "$STOP_HOURS")
     set_processes
+    # A sentence longer than the model's positions (or MAX_TOKENS) is skipped in train, as fairseq
+    # always does, and in validation (dev BLEU over the rest) rather than stopping training at its
+    # first validation; fairseq's warnings, repeated by train_arm, say how many.
+    # shellcheck disable=SC2206  # MODEL_FLAGS / DEVICE_FLAGS / CHECKPOINT_FLAGS / EXTRA_TRAIN_FLAGS are flag lists
+    TRAIN_COMMAND=("${LAUNCH[@]}" fairseq-train "$WORK/bin" --user-dir "$USER_DIR" --arch "$arch" $MODEL_FLAGS "$@"
+        --source-lang "$SRC" --target-lang "$TGT"
+        --optimizer adam --clip-norm 1.0 --lr "$LR"
+        --lr-scheduler reduce_lr_on_plateau --lr-shrink 0.8 --lr-patience 3
+        --warmup-updates "$WARMUP" --warmup-init-lr "$(awk -v lr="$STOP_MIN_LR" 'BEGIN { print lr * 1.01 }')" --stop-min-lr "$STOP_MIN_LR"
+        --criterion label_smoothed_cross_entropy --label-smoothing 0.1
+        --max-tokens "$RANK_MAX_TOKENS" --required-batch-size-multiple 1 --skip-invalid-size-inputs-valid-test
+        --eval-bleu --eval-bleu-args "{\"beam\": $BEAM, \"lenpen\": $LENPEN, \"max_len_a\": 1, \"max_len_b\": $MAX_LEN_B}" --eval-bleu-remove-bpe sentencepiece
+        --best-checkpoint-metric bleu --maximize-best-checkpoint-metric
+        "${validation[@]}" "${budget[@]}"
+        --save-dir "$save_dir" ${CHECKPOINT_FLAGS:---no-epoch-checkpoints} --seed "$seed"
+        --log-format simple --log-interval "${LOG_INTERVAL:-20}" --num-workers 0
+        $DEVICE_FLAGS "${DISTRIBUTED_FLAGS[@]}" ${EXTRA_TRAIN_FLAGS:-})
+}
+
+train_arm() {
+    local dir=$1 arch=$2; shift 2
+    local seed=${dir##*seed}
     mkdir -p "$dir"
     # Called outside step() (no signature): always afresh.
     if [ -z "${STEP_SIGNATURE:-}" ] || [ "$(cat "$dir/checkpoints.tmp/step_signature" 2>/dev/null)" != "$STEP_SIGNATURE" ]; then
@@ -349,23 +373,8 @@ train_arm() {
     fi
     rm -rf "$dir/checkpoints"
     local start=$SECONDS
-    # A sentence longer than the model's positions (or MAX_TOKENS) is skipped in train, as fairseq
-    # always does, and in validation (dev BLEU over the rest) rather than stopping training at its
-    # first validation; fairseq's warnings, repeated below, say how many.
-    # shellcheck disable=SC2086  # MODEL_FLAGS / DEVICE_FLAGS / EXTRA_TRAIN_FLAGS are flag lists
-    run_logged "${LAUNCH[@]}" fairseq-train "$WORK/bin" --user-dir "$USER_DIR" --arch "$arch" $MODEL_FLAGS "$@" \
-        --source-lang "$SRC" --target-lang "$TGT" \
-        --optimizer adam --clip-norm 1.0 --lr "$LR" \
-        --lr-scheduler reduce_lr_on_plateau --lr-shrink 0.8 --lr-patience 3 \
-        --warmup-updates "$WARMUP" --warmup-init-lr "$(awk -v lr="$STOP_MIN_LR" 'BEGIN { print lr * 1.01 }')" --stop-min-lr "$STOP_MIN_LR" \
-        --criterion label_smoothed_cross_entropy --label-smoothing 0.1 \
-        --max-tokens "$RANK_MAX_TOKENS" --required-batch-size-multiple 1 --skip-invalid-size-inputs-valid-test \
-        --eval-bleu --eval-bleu-args "{\"beam\": $BEAM, \"lenpen\": $LENPEN, \"max_len_a\": 1, \"max_len_b\": $MAX_LEN_B}" --eval-bleu-remove-bpe sentencepiece \
-        --best-checkpoint-metric bleu --maximize-best-checkpoint-metric \
-        "${validation[@]}" "${budget[@]}" \
-        --save-dir "$dir/checkpoints.tmp" --no-epoch-checkpoints --seed "$seed" \
-        --log-format simple --log-interval "${LOG_INTERVAL:-20}" --num-workers 0 \
-        $DEVICE_FLAGS "${DISTRIBUTED_FLAGS[@]}" ${EXTRA_TRAIN_FLAGS:-} >> "$dir/train.log" 2>&1 \
+    train_command "$dir/checkpoints.tmp" "$seed" "$arch" "$@"
+    run_logged "${TRAIN_COMMAND[@]}" >> "$dir/train.log" 2>&1 \
         || { tail -20 "$dir/train.log" >&2; die "fairseq-train failed (log: $dir/train.log)"; }
     [ -f "$dir/checkpoints.tmp/checkpoint_best.pt" ] || die "no checkpoint_best.pt after training (log: $dir/train.log)"
     { grep -o "[0-9,]* samples have invalid sizes and will be skipped.*" "$dir/train.log" || true; } | sort -u \
