@@ -106,7 +106,8 @@ def dev_bleu(args, checkpoint, env):
     hyps = translate(args, checkpoint, "valid", env)
     if len(hyps) != len(refs):
         raise RuntimeError(f"{checkpoint}: {len(hyps)} dev translations for {len(refs)} references")
-    return round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2)
+    # force: the references are Moses-tokenized, as released (13a on them, as the 2x2 scores dev)
+    return round(sacrebleu.corpus_bleu(hyps, [refs], force=True).score, 2)
 
 
 def test_scores(args, checkpoint, env, hyp_path=None):
@@ -120,7 +121,7 @@ def test_scores(args, checkpoint, env, hyp_path=None):
         raise RuntimeError(f"{checkpoint}: {len(hyps)} test translations for {len(refs)} references")
     if hyp_path:
         write_text(hyp_path, "".join(h + "\n" for h in hyps))
-    bleu = sacrebleu.corpus_bleu(hyps, [refs], tokenize="none").score
+    bleu = sacrebleu.corpus_bleu(hyps, [refs], tokenize="none", force=True).score
     chrf = sacrebleu.corpus_chrf(hyps, [refs]).score
     return round(bleu, 2), round(chrf, 2)
 
@@ -284,9 +285,10 @@ class Run:
         """Run fairseq-train, scoring each validation's checkpoint as it appears, until the rule
         stops the run or fairseq-train ends."""
         a = self.args
-        if entry["dev_curve"]:
-            entry["resumed_at_updates"].append(entry["dev_curve"][-1][0])
-        log(f"{self.name}: fairseq-train {'resumes' if entry['dev_curve'] else 'starts'} (log: {self.log_path})")
+        last = os.path.join(self.save_dir, "checkpoint_last.pt")
+        if os.path.exists(last):  # fairseq-train resumes from it
+            entry["resumed_at_updates"].append(checkpoint_state(last)["optimizer_history"][-1]["num_updates"])
+        log(f"{self.name}: fairseq-train {'resumes' if os.path.exists(last) else 'starts'} (log: {self.log_path})")
         started = time.time()
         seconds_before = entry["train_seconds"]
         with open(self.log_path, "a", encoding="utf-8") as train_log:
