@@ -5,6 +5,8 @@
     python -m experiments.gl_en_2x2_converged run RECORDS --arm-dir DIR --norm N --attention A --seed S \\
             --data RAW --bin BIN --spm SPM.model -- fairseq-train ...
         trains (or resumes) one run and scores every validation's model on dev as training goes
+    python -m experiments.gl_en_2x2_converged snapshot RECORDS --arm-dir DIR --norm N --attention A --seed S
+        copies an unfinished run's last scored and best checkpoints into RECORDS/resume/ (compacted)
     python -m experiments.gl_en_2x2_converged report RECORDS --data RAW
         writes RECORDS/README.md and its figures from runs.json
 
@@ -19,10 +21,15 @@ fairseq-train itself runs unchanged, uninterrupted, with the recipe's schedule (
 reduce_lr_on_plateau steps on fairseq's own --eval-bleu, as in every recipe). The record, with
 its dev curve so far, is rewritten after every validation (and committed with --commit), so a
 measured point is never lost. Rerun, a run resumes from its checkpoint_last.pt; a run whose
-checkpoints are gone restarts from scratch, its earlier curve kept in the record as `lost_curves`.
+checkpoints are gone restarts from scratch, its earlier curve kept in the record as `lost_curves`,
+unless a snapshot of it is in RECORDS/resume/: a run takes longer than a machine may be held, and
+only what is committed moves to the next one. A snapshot keeps the last scored checkpoint (model in
+float32, Adam's moments in bfloat16, about two thirds of the size) and the best one (model only); the
+run resumes from it, and the points measured after it are moved to `lost_curves` and measured again.
 """
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -192,6 +199,60 @@ def log(message):
     print(f"| {time.strftime('%H:%M:%S', time.gmtime())} {message}", file=sys.stderr, flush=True)
 
 
+# ------------------------------------------------------------------ snapshots
+def snapshot_paths(records, norm, attention, seed):
+    """{"last", "best", "info"}: where a run's snapshot lives in RECORDS/resume/."""
+    stem = os.path.join(records, "resume", hyp_name(norm, attention, seed)[: -len(".hyp")])
+    return {"last": stem + "-last.pt", "best": stem + "-best.pt", "info": stem + ".json"}
+
+
+def compact(state, keep_optimizer):
+    """A checkpoint made smaller for the repository: Adam's moments in bfloat16, or no optimizer
+    state at all (enough to translate: fairseq-generate never reads it)."""
+    import torch
+
+    state = dict(state)
+    if not keep_optimizer:
+        state.pop("last_optimizer_state", None)
+        return state
+    opt = dict(state["last_optimizer_state"])
+    opt["state"] = {
+        k: {
+            n: t.to(torch.bfloat16) if torch.is_tensor(t) and t.is_floating_point() and t.dim() else t
+            for n, t in v.items()
+        }
+        for k, v in opt["state"].items()
+    }
+    state["last_optimizer_state"] = opt
+    return state
+
+
+def expand(state):
+    """compact()'s inverse for training: Adam's moments back in float32."""
+    import torch
+
+    opt = dict(state["last_optimizer_state"])
+    opt["state"] = {
+        k: {n: t.float() if torch.is_tensor(t) and t.dtype == torch.bfloat16 else t for n, t in v.items()}
+        for k, v in opt["state"].items()
+    }
+    return dict(state, last_optimizer_state=opt)
+
+
+def save_state(state, path):
+    import torch
+
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def merged(old, new):
+    """A curve ([[updates, value], ...]) from an earlier log and a later one: the later wins."""
+    points = {u: v for u, v in old}
+    points.update({u: v for u, v in new})
+    return [[u, points[u]] for u in sorted(points)]
+
+
 # ------------------------------------------------------------------ one run
 class Run:
     def __init__(self, args):
@@ -262,16 +323,30 @@ class Run:
             return
         entry = entry or self.new_entry()
         resumable = os.path.exists(os.path.join(self.save_dir, "checkpoint_last.pt"))
+        if not resumable:
+            shutil.rmtree(a.arm_dir, ignore_errors=True)
+            resumable = self.restore(entry)
         if entry["dev_curve"] and not resumable:
             entry["lost_curves"].append(
-                {"dev_curve": entry["dev_curve"], "note": "checkpoints lost; restarted from scratch"}
+                {
+                    "dev_curve": entry["dev_curve"],
+                    "train_seconds": entry["train_seconds"],
+                    "note": "checkpoints lost; restarted from scratch",
+                }
             )
             log(
                 f"{self.name}: its checkpoints are gone; restarting from scratch (its curve so far kept in lost_curves)"
             )
-            entry.update(dev_curve=[], best_updates=None, best_epoch=None, lr_curve=[], updates=0, epochs=0)
-        if not resumable:
-            shutil.rmtree(a.arm_dir, ignore_errors=True)
+            entry.update(
+                dev_curve=[],
+                best_updates=None,
+                best_epoch=None,
+                lr_curve=[],
+                train_loss=[],
+                updates=0,
+                epochs=0,
+                train_seconds=0,
+            )
         os.makedirs(self.save_dir, exist_ok=True)
         entry["train_command"] = portable_command(" ".join(a.train_command), a.arm_dir)
         self.save(entry)
@@ -338,14 +413,14 @@ class Run:
             entry["dev_curve"].append([updates, bleu, loss])
             entry["dev_curve"].sort()
             lrs = lr_at(self.log_path)
-            entry["lr_curve"] = [[u, lrs[u]] for u in sorted(lrs)]
+            entry["lr_curve"] = merged(entry["lr_curve"], [[u, lrs[u]] for u in sorted(lrs)])
             entry["updates"], entry["epochs"] = updates, epoch
             if best_index(entry["dev_curve"]) == len(entry["dev_curve"]) - 1:
                 entry["best_updates"], entry["best_epoch"] = updates, epoch
                 shutil.copyfile(checkpoint, os.path.join(self.save_dir, BEST + ".tmp"))
                 os.replace(os.path.join(self.save_dir, BEST + ".tmp"), os.path.join(self.save_dir, BEST))
             os.replace(checkpoint, os.path.join(self.save_dir, LAST))
-            entry["train_loss"] = train_loss_curve(self.log_path)
+            entry["train_loss"] = merged(entry["train_loss"], train_loss_curve(self.log_path))
             best = entry["dev_curve"][best_index(entry["dev_curve"])]
             summary = f"{self.name}: {updates} updates, dev BLEU {bleu:.2f} (best {best[1]:.2f} at {best[0]})"
             log(summary)
@@ -353,6 +428,56 @@ class Run:
         else:
             os.remove(checkpoint)
         return stop_reason(entry["dev_curve"], a.patience, a.max_update)
+
+    def restore(self, entry):
+        """Put the run's snapshot (RECORDS/resume/) back as its checkpoints; False when there is none."""
+        paths = snapshot_paths(self.args.records, *self.key)
+        if not all(os.path.exists(p) for p in paths.values()):
+            return False
+        with open(paths["info"], encoding="utf-8") as f:
+            info = json.load(f)
+        os.makedirs(self.save_dir, exist_ok=True)
+        save_state(expand(checkpoint_state(paths["last"])), os.path.join(self.save_dir, "checkpoint_last.pt"))
+        shutil.copyfile(os.path.join(self.save_dir, "checkpoint_last.pt"), os.path.join(self.save_dir, LAST))
+        shutil.copyfile(paths["best"], os.path.join(self.save_dir, BEST))
+        later = [p for p in entry["dev_curve"] if p[0] > info["updates"]]
+        if later:
+            entry["lost_curves"].append(
+                {
+                    "dev_curve": later,
+                    "note": f"measured after the snapshot at {info['updates']} updates; measured again",
+                }
+            )
+        for curve in ("dev_curve", "lr_curve", "train_loss"):  # the snapshot's past only
+            entry[curve] = [p for p in entry[curve] if p[0] <= info["updates"]]
+        entry["updates"], entry["epochs"] = info["updates"], info["epoch"]
+        entry["best_updates"], entry["best_epoch"] = info["best_updates"], info["best_epoch"]
+        log(f"{self.name}: restored from its snapshot at {info['updates']} updates (RECORDS/resume/)")
+        return True
+
+    def snapshot(self):
+        """Copy the last scored and the best checkpoint into RECORDS/resume/, compacted."""
+        entry = self.load()
+        if not entry or entry["stop_reason"] != "running" or not entry["dev_curve"]:
+            log(f"{self.name}: nothing to snapshot (no unfinished run with a scored validation)")
+            return
+        last, best = os.path.join(self.save_dir, LAST), os.path.join(self.save_dir, BEST)
+        if not (os.path.exists(last) and os.path.exists(best)):
+            fail(f"{self.name}: {self.save_dir} holds no scored checkpoints to snapshot")
+        paths = snapshot_paths(self.args.records, *self.key)
+        os.makedirs(os.path.dirname(paths["last"]), exist_ok=True)
+        state = checkpoint_state(last)  # read once: the training run may replace the file meanwhile
+        updates, epoch = state["optimizer_history"][-1]["num_updates"], state["extra_state"]["train_iterator"]["epoch"]
+        save_state(compact(state, keep_optimizer=True), paths["last"])
+        best_state = checkpoint_state(best)
+        save_state(compact(best_state, keep_optimizer=False), paths["best"])
+        best_updates = best_state["optimizer_history"][-1]["num_updates"]
+        best_epoch = best_state["extra_state"]["train_iterator"]["epoch"]
+        info = {"updates": updates, "epoch": epoch, "best_updates": best_updates, "best_epoch": best_epoch}
+        write_text(paths["info"], json.dumps(info, indent=1) + "\n")
+        log(f"{self.name}: snapshot at {updates} updates (best at {best_updates}) in {os.path.dirname(paths['last'])}")
+        if self.args.commit:
+            commit_records(self.args.records, f"gl-en 2x2 converged, {self.name}: snapshot at {updates} updates")
 
     def finish(self, entry, reason):
         a = self.args
@@ -364,9 +489,13 @@ class Run:
         hyp = hyp_name(a.norm, a.attention, a.seed)
         entry["test_bleu"], entry["test_chrf"] = test_scores(a, best, self.env, os.path.join(a.records, hyp))
         entry["last_test_bleu"], entry["last_test_chrf"] = test_scores(a, last, self.env)
-        entry.update(hyp=hyp, stop_reason=reason, g=learned_g(best), train_loss=train_loss_curve(self.log_path))
+        entry.update(hyp=hyp, stop_reason=reason, g=learned_g(best))
+        entry["train_loss"] = merged(entry["train_loss"], train_loss_curve(self.log_path))
         for checkpoint, _, _ in saved_checkpoints(self.log_path):  # saved after the stopping validation
             os.remove(checkpoint)
+        for path in snapshot_paths(a.records, *self.key).values():  # a stopped run needs none
+            if os.path.exists(path):
+                os.remove(path)
         summary = (
             f"{self.name}: stopped ({reason}) at {entry['updates']} updates; best dev BLEU at "
             f"{entry['best_updates']}: test BLEU {entry['test_bleu']:.2f}, chrF {entry['test_chrf']:.2f}"
@@ -409,6 +538,13 @@ def main(argv=None):
     )
     r.add_argument("--max-update", type=int, default=MAX_UPDATE, help=f"the cap in updates (default {MAX_UPDATE})")
     r.add_argument("--commit", action="store_true", help="git-commit RECORDS after every validation")
+    n = sub.add_parser("snapshot")
+    n.add_argument("records")
+    n.add_argument("--arm-dir", required=True)
+    n.add_argument("--norm", choices=("scalenorm", "layernorm"), required=True)
+    n.add_argument("--attention", choices=("dot", "qknorm"), required=True)
+    n.add_argument("--seed", type=int, required=True)
+    n.add_argument("--commit", action="store_true", help="git-commit RECORDS with the snapshot")
     t = sub.add_parser("report")
     t.add_argument("records")
     t.add_argument("--data", required=True)
@@ -433,6 +569,9 @@ def main(argv=None):
         args.device_flags = args.device_flags.split()
         os.makedirs(args.records, exist_ok=True)
         Run(args).run()
+    elif args.command == "snapshot":
+        args.threads = 1
+        Run(args).snapshot()
     else:
         from experiments.gl_en_2x2_converged_report import write_report
 

@@ -8,9 +8,15 @@
 #   DATA_DIR=path/to/ted-gl-en bash examples/ted/gl-en-2x2-converged/run.sh
 #
 # Resumable: rerun the same command. A stopped run (its record says plateau or cap) is skipped; an
-# unfinished one resumes from its checkpoint_last.pt while WORK holds it, and restarts from scratch
-# when it does not (its curve so far stays in the record). Every validation rewrites the run's entry
-# of runs.json here (COMMIT=1 also git-commits it), so no measured point is lost.
+# unfinished one resumes from its checkpoint_last.pt while WORK holds it, else from its snapshot in
+# resume/ here, and restarts from scratch when there is neither (its curve so far stays in the
+# record). Every validation rewrites the run's entry of runs.json here (COMMIT=1 also git-commits
+# it), so no measured point is lost. To carry unfinished runs to another machine, save snapshots
+# while (or after) they train, with the same settings:
+#
+#   SNAPSHOT=1 DATA_DIR=path/to/ted-gl-en bash examples/ted/gl-en-2x2-converged/run.sh
+#
+# (about 25 MB per run of the `cpu` preset; COMMIT=1 commits them; a run that stops deletes its own).
 #
 # Settings (environment): DATA_DIR, CELLS (default: the paper's system and its LayerNorm control
 #   first, "layernorm.dot layernorm.qknorm scalenorm.dot scalenorm.qknorm"), SEEDS (default 1),
@@ -37,16 +43,21 @@ mkdir -p "$RECORDS"
 # fairseq-train saves a checkpoint at every validation, for the driver to score on dev.
 CHECKPOINT_FLAGS="--save-interval $VALID_EPOCHS"
 
+set_arm() {  # NORM ATTENTION SEED: sets DIR (the run's folder in WORK), ARCH and FLAGS
+    local spec name
+    spec=$(two_by_two_arm "$1.$2")
+    IFS=: read -r name ARCH FLAGS <<< "$spec"
+    DIR=$WORK/arms/$name-seed$3
+}
+
 run_one() {
-    local norm=$1 attention=$2 seed=$3 spec name arch flags dir commit=()
-    spec=$(two_by_two_arm "$norm.$attention")
-    IFS=: read -r name arch flags <<< "$spec"
-    dir=$WORK/arms/$name-seed$seed
-    # shellcheck disable=SC2086  # flags is a flag list
-    train_command "$dir/checkpoints" "$seed" "$arch" $flags
+    local norm=$1 attention=$2 seed=$3 commit=()
+    set_arm "$norm" "$attention" "$seed"
+    # shellcheck disable=SC2086  # FLAGS is a flag list
+    train_command "$DIR/checkpoints" "$seed" "$ARCH" $FLAGS
     printf '%q ' "${TRAIN_COMMAND[@]}" >> "$WORK/commands.sh"; echo >> "$WORK/commands.sh"
     [ "${COMMIT:-0}" != 1 ] || commit=(--commit)
-    python -m experiments.gl_en_2x2_converged run "$RECORDS" --arm-dir "$dir" --norm "$norm" --attention "$attention" \
+    python -m experiments.gl_en_2x2_converged run "$RECORDS" --arm-dir "$DIR" --norm "$norm" --attention "$attention" \
         --seed "$seed" --data "$WORK/raw" --bin "$WORK/bin" --spm "$WORK/spm.model" --user-dir "$USER_DIR" \
         --device-flags="$DEVICE_FLAGS" --preset "$PRESET" --threads "$THREADS" --patience "$PATIENCE" \
         --max-update "$MAX_UPDATE" "${commit[@]}" -- "${TRAIN_COMMAND[@]}"
@@ -54,6 +65,16 @@ run_one() {
 
 # shellcheck disable=SC2086
 mapfile -t todo < <(python -m experiments.gl_en_2x2_converged pending "$RECORDS" --seeds $SEEDS --cells $CELLS)
+if [ "${SNAPSHOT:-0}" = 1 ]; then
+    [ "${COMMIT:-0}" != 1 ] || commit=(--commit)
+    for run in "${todo[@]}"; do
+        read -r norm attention seed <<< "$run"
+        set_arm "$norm" "$attention" "$seed"
+        python -m experiments.gl_en_2x2_converged snapshot "$RECORDS" --arm-dir "$DIR" --norm "$norm" \
+            --attention "$attention" --seed "$seed" "${commit[@]}"
+    done
+    exit 0
+fi
 log "2x2 to convergence: ${#todo[@]} runs not stopped yet in $RECORDS; $JOBS at a time, $THREADS thread(s) each"
 failed=0
 for run in "${todo[@]}"; do

@@ -1,0 +1,391 @@
+"""The report of the gl-en 2x2 trained to convergence: README.md and dev-curves.png beside runs.json,
+from the template gl_en_2x2_converged_report.md. It reports what has landed: curves of runs still
+training, the QKNorm - dot difference under a norm once both of its runs have stopped, and the
+three effects of the 2x2 once all four cells of a seed have.
+
+Differences and effects are in test BLEU at each run's best-dev checkpoint, with a paired bootstrap
+over test sentences (1,000 resamples; every run's translation of a drawn sentence kept), the
+ten-epoch 2x2's interval (experiments/gl_en_2x2_report.py) for these trained models.
+"""
+
+import os
+import re
+import statistics
+from string import Template
+
+import numpy as np
+
+from experiments.gl_en_2x2 import CELLS, TGT, read_runs, sha1
+from experiments.gl_en_2x2_report import EFFECTS, SHORT, T975, effects
+from fairseq_qknorm_cli.files import atomic_path, fail, write_text
+from fairseq_qknorm_cli.score import read_lines
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TEN_EPOCHS = os.path.join(os.path.dirname(HERE), "examples", "ted", "gl-en-2x2")
+TEN_EPOCH_UPDATES = 1400
+PAPER = {("scalenorm", "dot"): 22.01, ("layernorm", "qknorm"): 24.21}
+RESAMPLES = 1000
+BOOTSTRAP_SEED = 12345
+COLORS = {
+    ("scalenorm", "dot"): "tab:blue",
+    ("scalenorm", "qknorm"): "tab:orange",
+    ("layernorm", "dot"): "tab:green",
+    ("layernorm", "qknorm"): "tab:red",
+}
+
+
+def cell(run):
+    return run["norm"], run["attention"]
+
+
+def stopped(run):
+    return run["stop_reason"] not in ("running", None)
+
+
+# ------------------------------------------------------------------ test-set statistics
+def bleu_statistics(hyps, refs):
+    """Per sentence: BLEU's sufficient statistics (4 matches, 4 totals, hypothesis and reference
+    length), as sacrebleu counts them with --tokenize none. Sums of rows give corpus BLEU."""
+    from sacrebleu.metrics import BLEU
+
+    metric = BLEU(tokenize="none", effective_order=True)  # effective_order: sentence scores only
+    rows = []
+    for hyp, ref in zip(hyps, refs, strict=True):
+        s = metric.sentence_score(hyp, [ref])
+        rows.append([*s.counts, *s.totals, s.sys_len, s.ref_len])
+    return np.asarray(rows, dtype=np.int64)
+
+
+def corpus_bleu(stats):
+    from sacrebleu.metrics import BLEU
+
+    total = stats.sum(axis=0).tolist()
+    return BLEU.compute_bleu(total[0:4], total[4:8], total[8], total[9], smooth_method="exp").score
+
+
+def paired_bootstrap(stats, combine):
+    """combine({cell: corpus BLEU}) -> {name: value}; returns {name: (point, low, high)} with the
+    2.5th-97.5th percentiles over resampled test sentences."""
+    point = combine({c: corpus_bleu(s) for c, s in stats.items()})
+    n = len(next(iter(stats.values())))
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    draws = {name: [] for name in point}
+    for _ in range(RESAMPLES):
+        rows = rng.integers(0, n, n)
+        for name, value in combine({c: corpus_bleu(s[rows]) for c, s in stats.items()}).items():
+            draws[name].append(value)
+    return {name: (point[name], *np.percentile(draws[name], [2.5, 97.5])) for name in point}
+
+
+# ------------------------------------------------------------------ the figure
+def paired_differences(runs):
+    """{(norm, seed): [[updates, QKNorm - dot dev BLEU], ...]} at the validations both runs have."""
+    out = {}
+    by_key = {(r["norm"], r["attention"], r["seed"]): r for r in runs}
+    for (norm, attention, seed), dot in sorted(by_key.items()):
+        qk = by_key.get((norm, "qknorm", seed))
+        if attention != "dot" or qk is None:
+            continue
+        a, b = {u: bleu for u, bleu, _ in dot["dev_curve"]}, {u: bleu for u, bleu, _ in qk["dev_curve"]}
+        common = sorted(set(a) & set(b))
+        if common:
+            out[norm, seed] = [[u, round(b[u] - a[u], 2)] for u in common]
+    return out
+
+
+def figure(path, runs):
+    from matplotlib.figure import Figure
+
+    from fairseq_qknorm_cli import plots
+
+    plots.require_matplotlib()
+    fig = Figure(figsize=(13, 5))
+    left, right = fig.subplots(1, 2)
+    for r in runs:
+        color, style = COLORS[cell(r)], ["-", "--", ":", "-."][(r["seed"] - 1) % 4]
+        for lost in r.get("lost_curves", []):
+            u, b = zip(*[(p[0], p[1]) for p in lost["dev_curve"]]) if lost["dev_curve"] else ((), ())
+            left.plot(u, b, ":", color=color, alpha=0.35, linewidth=1)
+        if r["dev_curve"]:
+            u, b, _ = zip(*r["dev_curve"])
+            left.plot(u, b, style, color=color, marker=".", label=f"{SHORT[cell(r)]}, seed {r['seed']}")
+        if r.get("best_updates"):
+            best = next(p for p in r["dev_curve"] if p[0] == r["best_updates"])
+            left.plot([best[0]], [best[1]], "o", color=color, markerfacecolor="none", markersize=10)
+    left.set(xlabel="updates", ylabel="dev BLEU", title="True dev BLEU (circles: each run's best)")
+    left.grid(alpha=0.3)
+    if left.get_legend_handles_labels()[0]:
+        left.legend(fontsize=8)
+    for (norm, seed), diff in paired_differences(runs).items():
+        u, d = zip(*diff)
+        color = COLORS[norm, "qknorm"]
+        right.plot(u, d, marker=".", color=color, label=f"{norm}: QKNorm - dot, seed {seed}")
+    right.axhline(0, color="black", linewidth=0.8)
+    right.axvline(TEN_EPOCH_UPDATES, color="grey", linewidth=1)
+    right.set(xlabel="updates", ylabel="dev BLEU difference", title="QKNorm minus scaled dot, by norm")
+    right.grid(alpha=0.3)
+    if right.get_legend_handles_labels()[0]:
+        right.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+
+
+# ------------------------------------------------------------------ the sections
+def fmt(x, spec=".2f"):
+    return "-" if x is None else format(x, spec)
+
+
+def hours(seconds):
+    return f"{seconds / 3600:.1f} h"
+
+
+def run_table(runs):
+    lines = [
+        "| cell | seed | stop | updates (epochs) | best dev BLEU at updates (epoch) "
+        "| test BLEU / chrF, best | test BLEU / chrF, last | train time | rate at the end |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        best = next((p for p in r["dev_curve"] if p[0] == r["best_updates"]), None)
+        lr = r["lr_curve"][-1][1] if r["lr_curve"] else None
+        lines.append(
+            f"| {SHORT[cell(r)]} | {r['seed']} | {r['stop_reason']} | {r['updates']:,} ({r['epochs']}) | "
+            + (f"{best[1]:.2f} at {best[0]:,} ({r['best_epoch']})" if best else "-")
+            + f" | {fmt(r['test_bleu'])} / {fmt(r['test_chrf'])} | {fmt(r['last_test_bleu'])} / "
+            f"{fmt(r['last_test_chrf'])} | {hours(r['train_seconds'])} | {fmt(lr, '.2e')} |"
+        )
+    return "\n".join(lines)
+
+
+def difference_summary(runs):
+    diffs = paired_differences(runs)
+    if not diffs:
+        return "No norm has both of its runs validated yet."
+    lines = []
+    for (norm, seed), diff in diffs.items():
+        early = [d for u, d in diff if u <= TEN_EPOCH_UPDATES]
+        late = diff[-4:]
+        lines.append(
+            f"- {norm}, seed {seed}: QKNorm - dot {fmt(statistics.mean(early) if early else None, '+.2f')} dev BLEU "
+            f"on average up to {TEN_EPOCH_UPDATES:,} updates, {statistics.mean(d for _, d in late):+.2f} over the last "
+            f"{len(late)} validations both runs have ({late[0][0]:,} to {late[-1][0]:,} updates)."
+        )
+    return "\n".join(lines)
+
+
+def test_statistics(records, ref, runs):
+    return {
+        (r["norm"], r["attention"], r["seed"]): bleu_statistics(read_lines(os.path.join(records, r["hyp"]), "hyp"), ref)
+        for r in runs
+        if stopped(r)
+    }
+
+
+def effects_section(runs, stats):
+    by_key = {(r["norm"], r["attention"], r["seed"]): r for r in runs if stopped(r)}
+    lines = ["## What the stopped runs say", ""]
+    pairs = sorted({(n, s) for n, a, s in by_key if (n, "dot", s) in by_key and (n, "qknorm", s) in by_key})
+    if not pairs:
+        return "\n".join(
+            lines + ["No norm has both of its runs stopped yet: the difference is read from the curves above."]
+        )
+    lines += [
+        "QKNorm minus scaled dot product in test BLEU at the best-dev checkpoints, with its paired-bootstrap",
+        "95% interval over test sentences:",
+        "",
+        "| norm | seed | scaled dot | QKNorm | QKNorm - dot [95% interval] |",
+        "|---|---|---|---|---|",
+    ]
+    for norm, seed in pairs:
+        pair = {"dot": stats[norm, "dot", seed], "qknorm": stats[norm, "qknorm", seed]}
+        (point, low, high) = paired_bootstrap(pair, lambda s: {"d": s["qknorm"] - s["dot"]})["d"]
+        lines.append(
+            f"| {norm} | {seed} | {by_key[norm, 'dot', seed]['test_bleu']:.2f} | "
+            f"{by_key[norm, 'qknorm', seed]['test_bleu']:.2f} | {point:+.2f} [{low:+.2f}, {high:+.2f}] |"
+        )
+    complete = sorted(s for s in {k[2] for k in by_key} if all((*c, s) in by_key for c in CELLS))
+    if complete:
+        lines += [
+            "",
+            "The three effects of the 2x2 (QKNorm = mean of QKNorm - dot under each norm; LayerNorm = mean of",
+            "LayerNorm - ScaleNorm under each attention; interaction = how much more QKNorm gains under",
+            "LayerNorm than under ScaleNorm), test BLEU, paired bootstrap:",
+            "",
+            "| seed | " + " | ".join(EFFECTS) + " |",
+            "|---|" + "---|" * len(EFFECTS),
+        ]
+        for seed in complete:
+            boot = paired_bootstrap({c: stats[(*c, seed)] for c in CELLS}, effects)
+            lines.append(
+                f"| {seed} | "
+                + " | ".join(f"{boot[e][0]:+.2f} [{boot[e][1]:+.2f}, {boot[e][2]:+.2f}]" for e in EFFECTS)
+                + " |"
+            )
+    lines += [
+        "",
+        "The interval measures how much the choice of test sentences moves the difference, for these",
+        "trained models; it says nothing about how much another seed would (see How many seeds).",
+    ]
+    return "\n".join(lines)
+
+
+def ten_epoch_runs():
+    return read_runs(TEN_EPOCHS) if os.path.exists(os.path.join(TEN_EPOCHS, "runs.json")) else []
+
+
+def beside_table(runs):
+    ten = ten_epoch_runs()
+    lines = [
+        "| cell | paper (full size, GPU) | ten epochs, seed 1 | ten epochs, mean of 3 seeds | converged, seed 1 (best dev) |",
+        "|---|---|---|---|---|",
+    ]
+    for c in CELLS:
+        t1 = [r["test_bleu"] for r in ten if cell(r) == c and r["seed"] == 1]
+        ta = [r["test_bleu"] for r in ten if cell(r) == c]
+        conv = [r for r in runs if cell(r) == c and r["seed"] == 1]
+        now = conv[0]["test_bleu"] if conv and stopped(conv[0]) else None
+        state = "still training" if conv and not stopped(conv[0]) else "not started"
+        lines.append(
+            f"| {SHORT[c]} | {fmt(PAPER.get(c))} | {fmt(t1[0] if t1 else None)} | "
+            f"{fmt(statistics.mean(ta) if ta else None)} | {fmt(now) if now is not None else state} |"
+        )
+    lines.append("")
+    lines.append("Test BLEU, sacrebleu `--tokenize none`; the paper reports only its baseline and its system.")
+    return "\n".join(lines)
+
+
+def epochs_to_plateau(runs):
+    done = [r for r in runs if stopped(r)]
+    if not done:
+        return "No run has stopped yet."
+    return "\n".join(
+        f"- {SHORT[cell(r)]}, seed {r['seed']}: best dev BLEU at epoch {r['best_epoch']} "
+        f"({r['best_updates']:,} updates), stopped ({r['stop_reason']}) at epoch {r['epochs']} ({r['updates']:,} updates)."
+        for r in done
+    )
+
+
+def seeds_section():
+    """How large a QKNorm - dot difference n seeds resolve, from the ten-epoch 2x2's spread."""
+    ten = ten_epoch_runs()
+    per_seed = {}
+    for r in ten:
+        per_seed.setdefault((r["norm"], r["seed"]), {})[r["attention"]] = r["test_bleu"]
+    diffs = {}
+    for (norm, _), v in per_seed.items():
+        if len(v) == 2:
+            diffs.setdefault(norm, []).append(v["qknorm"] - v["dot"])
+    if not diffs or min(map(len, diffs.values())) < 2:
+        return "The ten-epoch 2x2 has too few seeds to estimate how seeds spread."
+    sd = statistics.mean(statistics.stdev(d) for d in diffs.values())
+    lines = [
+        "One seed per cell measures one trained model per cell: the bootstrap above says how sure the",
+        "difference is for these models, not for the recipe. How much seeds move it, taken from the",
+        f"ten-epoch 2x2 (3 seeds; QKNorm - dot per seed, standard deviation {sd:.2f} test BLEU averaged over",
+        "the two norms; converged models may spread less), and the 95% half-width of the mean difference",
+        "that n seeds per cell would give:",
+        "",
+        "| seeds per cell | 95% half-width, QKNorm - dot under one norm |",
+        "|---|---|",
+    ]
+    for n in (2, 3, 5, 8):
+        lines.append(f"| {n} | {T975[n - 1] * sd / n**0.5:.2f} BLEU |")
+    lines += [
+        "",
+        "A difference smaller than the half-width is not resolved by that many seeds.",
+    ]
+    return "\n".join(lines)
+
+
+def how_it_ran(runs):
+    lines = []
+    for r in runs:
+        reproduced = []
+        for lost in r.get("lost_curves", []):
+            earlier = {p[0]: p[1] for p in lost["dev_curve"]}
+            same = [(earlier[u], b) for u, b, _ in r["dev_curve"] if u in earlier]
+            if same:
+                exact = sum(a == b for a, b in same)
+                worst = max(abs(a - b) for a, b in same)
+                reproduced.append(
+                    f"{exact} of {len(same)} validations measured twice agree exactly (largest difference {worst:.2f})"
+                )
+        resumed = ", ".join(f"{u:,}" for u in r.get("resumed_at_updates", []))
+        lost = len(r.get("lost_curves", []))
+        lines.append(
+            f"- {SHORT[cell(r)]}, seed {r['seed']}: commit {r['commit']}, {r['threads']} thread(s), "
+            + (f"resumed at {resumed} updates" if resumed else "never resumed")
+            + (f"; {lost} earlier partial curve(s)" if lost else "")
+            + (f" ({'; '.join(reproduced)})" if reproduced else "")
+            + "."
+        )
+    lines += ["", "Each run's fairseq-train command is in runs.json (`train_command`)."]
+    return "\n".join(lines)
+
+
+def status(runs):
+    done = sum(map(stopped, runs))
+    parts = [f"{SHORT[cell(r)]} seed {r['seed']}: {r['stop_reason']} at {r['updates']:,} updates" for r in runs]
+    return f"{done} of {len(runs)} runs stopped ({'; '.join(parts)})."
+
+
+def answer(runs):
+    """The question's answer in one paragraph, or why there is none yet."""
+    by_key = {(r["norm"], r["attention"], r["seed"]): r for r in runs}
+    said = []
+    for norm in ("layernorm", "scalenorm"):
+        dot, qk = by_key.get((norm, "dot", 1)), by_key.get((norm, "qknorm", 1))
+        if dot and qk and stopped(dot) and stopped(qk):
+            said.append(
+                f"Under {norm}, converged (seed 1): QKNorm {qk['test_bleu']:.2f} against scaled dot "
+                f"{dot['test_bleu']:.2f} test BLEU ({qk['test_bleu'] - dot['test_bleu']:+.2f})."
+            )
+    if not said:
+        return (
+            "No answer yet: no norm has both of its runs stopped. The curves below show where the runs stand;"
+            " their difference is not a result until the rule stops them."
+        )
+    return " ".join(said) + " One seed: see How many seeds before reading more into it."
+
+
+def write_report(records, data_dir):
+    """README.md and dev-curves.png in RECORDS; DATA_DIR holds test.en (checked by sha1)."""
+    runs = read_runs(records)
+    if not runs:
+        fail(f"{records}/runs.json: no runs recorded yet")
+    ref_path = os.path.join(data_dir, f"test.{TGT}")
+    if not os.path.exists(ref_path):
+        fail(f"--data {data_dir}: no test.{TGT}")
+    if sha1(ref_path) != runs[0]["data_sha1"][f"test.{TGT}"]:
+        fail(f"--data {data_dir}: test.{TGT} is not the reference the runs were scored against (sha1 differs)")
+    ref = read_lines(ref_path, "--data")
+    stats = test_statistics(records, ref, runs)
+    patience, max_update = runs[0]["patience"], runs[0]["max_update"]
+    # updates per epoch and per validation, from the longest curve (the records keep no settings)
+    longest = max(runs, key=lambda r: r["epochs"])
+    epoch_updates = longest["updates"] / longest["epochs"] if longest["epochs"] else None
+    # fairseq-train saves (and the driver validates) every --save-interval epochs
+    valid_epochs = int(re.search(r"--save-interval (\d+)", runs[0]["train_command"]).group(1))
+    with open(os.path.join(HERE, "gl_en_2x2_converged_report.md"), encoding="utf-8") as f:
+        template = Template(f.read())
+    figure(os.path.join(records, "dev-curves.png"), runs)
+    text = template.substitute(
+        status=status(runs),
+        answer=answer(runs),
+        difference_summary=difference_summary(runs),
+        run_table=run_table(runs),
+        effects=effects_section(runs, stats),
+        beside_table=beside_table(runs),
+        valid_epochs=valid_epochs,
+        updates_per_validation=f"{round(valid_epochs * epoch_updates):,}" if epoch_updates else "?",
+        patience=patience,
+        patience_epochs=patience * valid_epochs,
+        max_update=f"{max_update:,}",
+        cap_epochs=round(max_update / epoch_updates) if epoch_updates else "?",
+        cap_factor=round(max_update / TEN_EPOCH_UPDATES),
+        epochs_to_plateau=epochs_to_plateau(runs),
+        seeds=seeds_section(),
+        how_it_ran=how_it_ran(runs),
+    )
+    write_text(os.path.join(records, "README.md"), text)
