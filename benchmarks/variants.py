@@ -1,5 +1,5 @@
 """The QK-norm variants the benchmark compares, by arm name. Plain Python: the runner checks its
-flags before it imports torch and fairseq (tests/test_benchmark.py checks these against the plugin's
+flags before it imports torch and fairseq (tests/experiments/test_benchmark.py checks these against the plugin's
 own lists of norms and scales)."""
 
 import itertools

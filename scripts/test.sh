@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up the environment (.venv, or VENV=DIR; PYTHON=python3.12 for a new one on 3.12) if needed,
-# check the code with the linter and the formatter (ruff, pyproject.toml), and run the test suite.
+# check the code with the linter and the formatter (ruff, pyproject.toml), and run the test suite:
+# tests/plugin (what pip installs) and tests/experiments (recipes, sweeps, benchmarks, the GPU script).
 # Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -8,4 +9,4 @@ bash scripts/setup.sh
 VENV=${VENV:-.venv}
 "$VENV/bin/ruff" check --quiet . || { echo "error: ruff check found the problems above (ruff check --fix fixes some)" >&2; exit 1; }
 "$VENV/bin/ruff" format --check --quiet . || { echo "error: files not formatted as ruff format would (run: $VENV/bin/ruff format .)" >&2; exit 1; }
-exec "$VENV/bin/python" -m pytest -q "$@" tests
+exec "$VENV/bin/python" -m pytest -q "$@" tests/plugin tests/experiments

@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny generated corpus, its sentencepiece + fairseq-preprocess'ed form, and a
 QKNorm model trained on it through the real fairseq-train CLI (once per test session)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -219,3 +220,64 @@ def build_model(arch="transformer_qknorm", vocab=40, **overrides):
     args = argparse.Namespace(arch=arch, **{k: v for k, v in {**small, **overrides}.items() if v is not None})
     ARCH_CONFIG_REGISTRY[arch](args)
     return ARCH_MODEL_REGISTRY[arch].build_model(args, task), d
+
+
+# A sitecustomize for the multi-process trainings (plugin/test_lm.py, experiments/test_distributed.py),
+# imported by every Python process of the run (PYTHONPATH); acts only in fairseq-train, once
+# fairseq.trainer is imported: wraps Trainer.train_step to append, per update, the update count,
+# the ids of the sentences this rank trained on and every qk_scale.g (float.hex: exact) to
+# QK_G_RECORD_DIR/g.rank$RANK.jsonl.
+RECORD_G = """
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+
+
+def _record(trainer, samples, start=False):
+    ids = sorted(int(i) for sample in samples for i in (sample or {}).get("id", []))
+    g = {name: [float(x).hex() for x in p.detach().flatten().tolist()]
+         for name, p in trainer.get_model().named_parameters() if name.endswith("qk_scale.g")}
+    path = os.path.join(os.environ["QK_G_RECORD_DIR"], "g.rank%s.jsonl" % os.environ["RANK"])
+    with open(path, "a") as f:
+        f.write(json.dumps({"update": trainer.get_num_updates(), "start": start, "ids": ids, "g": g}) + "\\n")
+
+
+def _instrument(trainer_class):
+    train_step = trainer_class.train_step
+
+    def recorded_train_step(self, samples, *args, **kwargs):
+        if not getattr(self, "_g_recorded", False):
+            self._g_recorded = True
+            _record(self, [], start=True)  # before the first update: the initial (or resumed) g
+        out = train_step(self, samples, *args, **kwargs)
+        _record(self, samples)
+        return out
+
+    trainer_class.train_step = recorded_train_step
+
+
+class _AfterTrainerImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "fairseq.trainer":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        exec_module = spec.loader.exec_module
+
+        def exec_and_instrument(module):
+            exec_module(module)
+            _instrument(module.Trainer)
+
+        spec.loader.exec_module = exec_and_instrument
+        return spec
+
+
+if os.environ.get("QK_G_RECORD_DIR"):
+    sys.meta_path.insert(0, _AfterTrainerImport())
+"""
+
+
+def read_records(records, rank):
+    return [json.loads(line) for line in (records / f"g.rank{rank}.jsonl").read_text().splitlines()]

@@ -8,7 +8,7 @@
 #   attempt 2: kill -9 of fairseq-train mid-epoch, KILL_AFTER updates after it resumed;
 #   attempt 3: kill -9 half-way through the first checkpoint write (torch.save of NAME.pt.tmp);
 #   attempt 4: no fault: runs to the end.
-# Attempts 1 and 3 are injected deterministically (tests/fault_injection/sitecustomize.py). Writes
+# Attempts 1 and 3 are injected deterministically (tests/experiments/fault_injection/sitecustomize.py). Writes
 # WORK/interrupt.{md,json}: per attempt the checkpoint it resumed from, the updates lost, every
 # checkpoint file checked complete after the kill; dev BLEU and weights of both runs at the end, and
 # over several seeds, the interrupted-minus-uninterrupted dev BLEU against the spread between seeds
@@ -28,7 +28,7 @@ set_preset "${PRESET:-toy}"
 WORK=${WORK:-$ROOT/work/interrupt-$PRESET}
 export LOG_INTERVAL=${LOG_INTERVAL:-1}  # every update in the log: where each kill landed
 SELF=$ROOT/examples/interrupt/run.sh
-FAULTS=$ROOT/tests/fault_injection
+FAULTS=$ROOT/tests/experiments/fault_injection
 
 train_one() {
     setup_work

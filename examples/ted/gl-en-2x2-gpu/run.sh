@@ -25,7 +25,7 @@
 #   PROBE_UPDATES (default 100), CHECK_SECONDS (default 120), END_RESERVE (seconds kept after
 #   training for translation, scoring and packing, default 75), DATA_DIR, WORK (default .gpu-data),
 #   and common.sh's values. SMOKE=1: the smoke preset's tiny model, one seed and at most 2 epochs,
-#   a dry run of every step on a CPU (tests/test_gpu_script.py).
+#   a dry run of every step on a CPU (tests/experiments/test_gpu_script.py).
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/../../common.sh"
 
@@ -154,8 +154,8 @@ left() { echo $((START + TIME_LIMIT - $(date +%s) - $1)); }
 checks() {
     local device=cuda tests bench status
     [[ " $DEVICE_FLAGS " != *" --cpu "* ]] || device=cpu
-    log "checks: tests/test_mixed_precision.py -k cuda and benchmarks.run --device $device --quick, ${CHECK_SECONDS}s each, side by side"
-    (cd "$ROOT" && timeout -k 5 "$CHECK_SECONDS" python -m pytest -q -rs -p no:cacheprovider -k cuda tests/test_mixed_precision.py) \
+    log "checks: tests/plugin/test_mixed_precision.py -k cuda and benchmarks.run --device $device --quick, ${CHECK_SECONDS}s each, side by side"
+    (cd "$ROOT" && timeout -k 5 "$CHECK_SECONDS" python -m pytest -q -rs -p no:cacheprovider -k cuda tests/plugin/test_mixed_precision.py) \
         > "$OUT/mixed-precision.log" 2>&1 &
     tests=$!
     (cd "$ROOT" && timeout -k 5 "$CHECK_SECONDS" python -m benchmarks.run --device "$device" --quick --arms qknorm \

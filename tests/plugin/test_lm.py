@@ -12,8 +12,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import COMMON_TRAIN_FLAGS, USER_DIR, build_model, decode, run, tool, train
-from test_distributed import RECORD_G, read_records
+from conftest import COMMON_TRAIN_FLAGS, RECORD_G, USER_DIR, build_model, decode, read_records, run, tool, train
 
 import fairseq_qknorm  # noqa: F401  (registers the model; allow-lists checkpoint classes)
 

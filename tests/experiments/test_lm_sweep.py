@@ -11,7 +11,7 @@ from conftest import run
 
 from experiments.lm_sweep import sensitivity
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def made_up_run(arm, lr, final, initial=10.0, diverged=None):

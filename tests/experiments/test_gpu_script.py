@@ -16,7 +16,7 @@ import pytest
 from experiments.gl_en_2x2 import CELLS
 from experiments.gpu_budget import plan, seeds
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "examples" / "ted" / "gl-en-2x2-gpu" / "run.sh"
 SCHEMA = {
     "norm",

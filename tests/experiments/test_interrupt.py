@@ -1,7 +1,7 @@
 """Interrupted training through the recipe, at smoke size: examples/interrupt/run.sh trains one arm
 straight through and once more with three kill -9s, rerunning the same recipe command after each:
 half-way through fairseq's copy of checkpoint_best.pt to checkpoint_last.pt, mid-epoch, half-way
-through a checkpoint's torch.save (the copy and the save injected by tests/fault_injection). Every
+through a checkpoint's torch.save (the copy and the save injected by tests/experiments/fault_injection). Every
 rerun must start from the last complete checkpoint_last.pt, lose at most one save interval (an
 epoch, in the recipes), never leave a truncated checkpoint under a final name, and finish. The
 resumed weights are not those of the uninterrupted run, bit for bit (measured, even with
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAX_UPDATE = 50  # smoke preset on the tests' corpus: epochs of 22 updates, so 3 epochs
 KILL_AFTER = 26  # updates after the (fresh) start of attempt 2: early in epoch 2
 

@@ -7,7 +7,6 @@ records its g values before its first update and after every update (a test-only
 PYTHONPATH): they must be equal bit for bit across ranks, and equal to the checkpoints' g. The
 command the recipe builds for GPUs (NCCL) is checked without running it."""
 
-import json
 import os
 import re
 import shlex
@@ -17,68 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run
+from conftest import RECORD_G, read_records, run
 
 import fairseq_qknorm  # noqa: F401  (allow-lists fairseq checkpoint classes for torch.load)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = ROOT / ".venv" / "bin"
 UPDATES, RESUMED_UPDATES = 4, 6
-
-# Imported by every Python process of the run (PYTHONPATH); acts only in fairseq-train, once
-# fairseq.trainer is imported: wraps Trainer.train_step to append, per update, the update count,
-# the ids of the sentences this rank trained on and every qk_scale.g (float.hex: exact) to
-# QK_G_RECORD_DIR/g.rank$RANK.jsonl.
-RECORD_G = """
-import importlib.abc
-import importlib.util
-import json
-import os
-import sys
-
-
-def _record(trainer, samples, start=False):
-    ids = sorted(int(i) for sample in samples for i in (sample or {}).get("id", []))
-    g = {name: [float(x).hex() for x in p.detach().flatten().tolist()]
-         for name, p in trainer.get_model().named_parameters() if name.endswith("qk_scale.g")}
-    path = os.path.join(os.environ["QK_G_RECORD_DIR"], "g.rank%s.jsonl" % os.environ["RANK"])
-    with open(path, "a") as f:
-        f.write(json.dumps({"update": trainer.get_num_updates(), "start": start, "ids": ids, "g": g}) + "\\n")
-
-
-def _instrument(trainer_class):
-    train_step = trainer_class.train_step
-
-    def recorded_train_step(self, samples, *args, **kwargs):
-        if not getattr(self, "_g_recorded", False):
-            self._g_recorded = True
-            _record(self, [], start=True)  # before the first update: the initial (or resumed) g
-        out = train_step(self, samples, *args, **kwargs)
-        _record(self, samples)
-        return out
-
-    trainer_class.train_step = recorded_train_step
-
-
-class _AfterTrainerImport(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "fairseq.trainer":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        exec_module = spec.loader.exec_module
-
-        def exec_and_instrument(module):
-            exec_module(module)
-            _instrument(module.Trainer)
-
-        spec.loader.exec_module = exec_and_instrument
-        return spec
-
-
-if os.environ.get("QK_G_RECORD_DIR"):
-    sys.meta_path.insert(0, _AfterTrainerImport())
-"""
 
 
 def recipe_env(work, hooks, records):
@@ -135,10 +79,6 @@ def checkpoint_g(path):
         for name, value in model.items()
         if name.endswith("qk_scale.g")
     }
-
-
-def read_records(records, rank):
-    return [json.loads(line) for line in (records / f"g.rank{rank}.jsonl").read_text().splitlines()]
 
 
 def test_recipe_trains_validates_and_saves_with_two_cpu_processes(distributed):

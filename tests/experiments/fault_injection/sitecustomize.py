@@ -1,4 +1,4 @@
-"""Fault injection for the interrupted-training checks (tests/test_interrupt.py, examples/interrupt/run.sh).
+"""Fault injection for the interrupted-training checks (tests/experiments/test_interrupt.py, examples/interrupt/run.sh).
 
 Put this folder on PYTHONPATH and set FAIRSEQ_KILL_DURING=WHAT:N to have fairseq-train SIGKILL itself
 half-way through its N-th checkpoint write of kind WHAT (counted from 1 in each process):

@@ -137,7 +137,7 @@ def test_paired_deterministic_with_seed(paired_files):
 
 def shared_data():
     # The real-data folder beside the repository (../shared/data), as CI has it; SHARED_DATA overrides.
-    here = Path(os.environ.get("SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+    here = Path(os.environ.get("SHARED_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
     if (here / "iwslt15-en-vi" / "test.vi").is_file():
         return here / "iwslt15-en-vi"
     pytest.skip(f"IWSLT'15 en-vi data not found under {here} (set SHARED_DATA)")

@@ -1,7 +1,7 @@
 """Mixed precision: fairseq-train --bf16 on the CPU (through the plugin's route) and --fp16 / --bf16
 on CUDA, and a trained model cast to half precision (as fairseq's trainer casts it) against itself in
 float32, padding and beam search included. The CUDA cases need a CUDA device and are skipped (and
-reported as skipped) without one; on a machine with one, `pytest tests/test_mixed_precision.py`
+reported as skipped) without one; on a machine with one, `pytest tests/plugin/test_mixed_precision.py`
 runs them (not yet done: no GPU has been at hand)."""
 
 import copy

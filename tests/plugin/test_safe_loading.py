@@ -16,7 +16,7 @@ from conftest import USER_DIR, decode, run, tool, train
 
 import fairseq_qknorm  # noqa: F401
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRUST = "FAIRSEQ_QKNORM_TRUSTED_CHECKPOINT"
 
 

@@ -1,5 +1,5 @@
 """Every translation architecture the plugin registers builds at its own size and trains one
-update; the language-model architectures are registered (tests/test_lm.py trains the tiny one)."""
+update; the language-model architectures are registered (tests/plugin/test_lm.py trains the tiny one)."""
 
 import pytest
 import torch
