@@ -1,0 +1,185 @@
+"""The 2x2 to convergence (examples/ted/gl-en-2x2-converged/run.sh, experiments/gl_en_2x2_converged.py)
+at smoke size: the stopping rule on made-up curves; one run trained until the rule stops it, its
+record and hypotheses; a rerun skips it; an unfinished run resumes from its checkpoint, and one
+whose checkpoints are gone restarts from scratch with its earlier curve kept."""
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from sacrebleu.metrics import BLEU
+
+from experiments.gl_en_2x2_converged import stop_reason
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = ROOT / "examples" / "ted" / "gl-en-2x2-converged" / "run.sh"
+
+
+def curve(*bleus, step=100):
+    return [[step * (i + 1), b, 5.0 - i * 0.1] for i, b in enumerate(bleus)]
+
+
+def test_stopping_rule_on_made_up_curves():
+    assert stop_reason([], patience=3, max_update=10_000) is None
+    # the best (10.0) is 2 validations old: patience 3 not yet used up
+    assert stop_reason(curve(5, 10, 9, 9.5), patience=3, max_update=10_000) is None
+    assert stop_reason(curve(5, 10, 9, 9.5, 8), patience=3, max_update=10_000) == "plateau"
+    # a tie is not an improvement: the first best counts
+    assert stop_reason(curve(5, 10, 10, 10, 10), patience=3, max_update=10_000) == "plateau"
+    # a new best resets the count
+    assert stop_reason(curve(5, 10, 9, 9, 11, 10), patience=3, max_update=10_000) is None
+    assert stop_reason(curve(1, 2, 3), patience=3, max_update=300) == "cap"
+    assert stop_reason(curve(1, 2, 3), patience=3, max_update=301) is None
+    # both at once: the plateau is the reason
+    assert stop_reason(curve(3, 2, 1), patience=2, max_update=300) == "plateau"
+
+
+@pytest.fixture(scope="module")
+def gl_en_data(toy_raw, tmp_path_factory):
+    """The toy corpus under the gl-en recipe's file names."""
+    d = tmp_path_factory.mktemp("gl_en_toy")
+    for split in ("train", "dev", "test"):
+        shutil.copy(toy_raw / f"{split}.src", d / f"{split}.gl")
+        shutil.copy(toy_raw / f"{split}.tgt", d / f"{split}.en")
+    return d
+
+
+def campaign(work, records, data, **env):
+    environ = dict(
+        os.environ,
+        PRESET="smoke",
+        CELLS="layernorm.qknorm",
+        PATIENCE="2",
+        MAX_UPDATE="150",
+        VALID_EPOCHS="1",
+        WORK=str(work),
+        RECORDS=str(records),
+        DATA_DIR=str(data),
+    )
+    environ.update(env)
+    proc = subprocess.run(["bash", str(RUN)], capture_output=True, text=True, env=environ, cwd=ROOT)
+    assert proc.returncode == 0, f"campaign failed ({proc.returncode})\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def entry_of(records):
+    runs = json.loads((records / "runs.json").read_text())
+    assert [(r["norm"], r["attention"], r["seed"]) for r in runs] == [("layernorm", "qknorm", 1)]
+    return runs[0]
+
+
+@pytest.fixture(scope="module")
+def stopped(gl_en_data, tmp_path_factory):
+    work, records = tmp_path_factory.mktemp("converged_work"), tmp_path_factory.mktemp("converged_records")
+    campaign(work, records, gl_en_data)
+    return work, records
+
+
+def test_a_run_stops_by_the_rule_with_its_record(stopped, gl_en_data):
+    work, records = stopped
+    r = entry_of(records)
+    dev = r["dev_curve"]
+    assert r["stop_reason"] in ("plateau", "cap")
+    assert stop_reason(dev, r["patience"], r["max_update"]) == r["stop_reason"]
+    assert stop_reason(dev[:-1], r["patience"], r["max_update"]) is None  # it stopped at the first chance
+    assert [u for u, _, _ in dev] == sorted({u for u, _, _ in dev}) and r["updates"] == dev[-1][0]
+    assert all(loss is not None and 0 <= bleu <= 100 for _, bleu, loss in dev)
+    best = max(range(len(dev)), key=lambda i: (dev[i][1], -i))
+    assert r["best_updates"] == dev[best][0]
+    assert "--arch transformer_qknorm_paper" in r["train_command"] and "--user-dir $USER_DIR" in r["train_command"]
+    assert str(work) not in r["train_command"] and r["threads"] == 1 and r["commit"]
+    assert r["g"] and all(isinstance(g, float) for g in r["g"].values())
+    # The committed hypotheses rescore to the recorded BLEU (sacrebleu --tokenize none on test.en).
+    hyp = (records / r["hyp"]).read_text().splitlines()
+    ref = (gl_en_data / "test.en").read_text().splitlines()
+    assert len(hyp) == len(ref) and "▁" not in "".join(hyp)
+    assert round(BLEU(tokenize="none").corpus_score(hyp, [ref]).score, 2) == r["test_bleu"]
+    assert r["last_test_bleu"] is not None and r["test_chrf"] is not None
+    kept = sorted(os.listdir(work / "arms" / "qknorm-seed1" / "checkpoints"))
+    assert "checkpoint_best_dev.pt" in kept and "checkpoint_last_scored.pt" in kept
+    assert not [k for k in kept if k[len("checkpoint") : -len(".pt")].isdigit()]  # no unscored epoch checkpoints
+
+
+def test_rerun_skips_a_stopped_run(stopped, gl_en_data):
+    work, records = stopped
+    before = (records / "runs.json").read_text()
+    proc = campaign(work, records, gl_en_data)
+    assert "0 runs not stopped yet" in proc.stderr
+    assert (records / "runs.json").read_text() == before
+
+
+def reopen(records, entry):
+    entry["stop_reason"] = "running"
+    (records / "runs.json").write_text(json.dumps([entry]))
+
+
+def test_an_unfinished_run_resumes_from_its_checkpoint(stopped, gl_en_data):
+    work, records = stopped
+    r = entry_of(records)
+    reopen(records, r)
+    proc = campaign(work, records, gl_en_data, PATIENCE="50", MAX_UPDATE=str(r["updates"] + 100))
+    assert "fairseq-train resumes" in proc.stderr
+    after = entry_of(records)
+    assert after["dev_curve"][: len(r["dev_curve"])] == r["dev_curve"]  # the earlier points kept as they were
+    assert len(after["dev_curve"]) > len(r["dev_curve"]) and after["stop_reason"] == "cap"
+    # fairseq-train went on a little after the stopping validation, until the driver stopped it
+    (resumed_at,) = after["resumed_at_updates"]
+    assert resumed_at >= r["updates"] and after["lost_curves"] == []
+    train_log = (work / "arms" / "qknorm-seed1" / "train.log").read_text()
+    assert f"@ {resumed_at} updates)" in train_log  # fairseq's "Loaded checkpoint ... (epoch E @ N updates)"
+
+
+def test_a_snapshot_carries_an_unfinished_run_to_another_machine(stopped, gl_en_data):
+    work, records = stopped
+    r = entry_of(records)
+    reopen(records, r)
+    campaign(work, records, gl_en_data, SNAPSHOT="1")
+    info = json.loads((records / "resume" / "layernorm-qknorm-seed1.json").read_text())
+    assert info["updates"] == r["updates"] and info["best_updates"] == r["best_updates"]
+    shutil.rmtree(work / "arms" / "qknorm-seed1")  # another machine: only the records are there
+    proc = campaign(work, records, gl_en_data, PATIENCE="50", MAX_UPDATE=str(r["updates"] + 60))
+    assert "restored from its snapshot" in proc.stderr and "fairseq-train resumes" in proc.stderr
+    after = entry_of(records)
+    assert after["resumed_at_updates"][-1] == info["updates"]
+    assert after["dev_curve"][: len(r["dev_curve"])] == r["dev_curve"] and after["stop_reason"] == "cap"
+    assert not (records / "resume").exists() or not list((records / "resume").iterdir())  # a stopped run needs none
+
+
+def test_the_report_reads_the_records(stopped, gl_en_data):
+    from experiments.gl_en_2x2_converged_report import write_report
+
+    work, records = stopped
+    write_report(str(records), str(gl_en_data))
+    text = (records / "README.md").read_text()
+    assert "1 of 1 runs stopped" in text and "$" not in text.replace("```sh", "")  # every placeholder filled
+    assert (records / "dev-curves.png").stat().st_size > 10_000
+
+
+def test_bleu_from_sentence_statistics_is_sacrebleus_corpus_bleu():
+    from experiments.gl_en_2x2_converged_report import bleu_statistics, corpus_bleu, paired_bootstrap
+
+    refs = ["the cat sat on the mat .", "a dog ran in the park", "it is raining today", "we like green tea"]
+    hyps = ["the cat is on the mat .", "a dog runs in a park", "it rains today", "we like tea"]
+    stats = bleu_statistics(hyps, refs)
+    assert corpus_bleu(stats) == pytest.approx(BLEU(tokenize="none").corpus_score(hyps, [refs]).score)
+    # a system against itself: no difference in any resample; against a worse one: a positive one
+    same = paired_bootstrap({"a": stats, "b": stats}, lambda s: {"d": s["a"] - s["b"]})["d"]
+    assert same == (0.0, 0.0, 0.0)
+    worse = bleu_statistics(["the mat", "a park", "today", "tea"], refs)
+    point, low, high = paired_bootstrap({"a": stats, "b": worse}, lambda s: {"d": s["a"] - s["b"]})["d"]
+    assert point > 0 and low <= point <= high
+
+
+def test_a_run_whose_checkpoints_are_gone_restarts_with_its_curve_kept(stopped, gl_en_data):
+    work, records = stopped
+    r = entry_of(records)
+    reopen(records, r)
+    shutil.rmtree(work / "arms" / "qknorm-seed1")
+    proc = campaign(work, records, gl_en_data, MAX_UPDATE="60")
+    assert "restarting from scratch" in proc.stderr and "fairseq-train starts" in proc.stderr
+    after = entry_of(records)
+    assert after["lost_curves"][-1]["dev_curve"] == r["dev_curve"]
+    assert after["dev_curve"][-1][0] <= 60 and after["stop_reason"] in ("plateau", "cap")
