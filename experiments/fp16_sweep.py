@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from experiments import lr_sweep
+from fairseq_qknorm import USER_DIR
 from fairseq_qknorm_cli.files import atomic_path
 
 ARMS = lr_sweep.ARMS
@@ -101,7 +102,7 @@ def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
             "arm": arm,
             "lr": lr,
             "seed": seed,
-            "command": "fairseq-train " + shlex.join(flags).replace(save_dir, "SAVE_DIR"),
+            "command": "fairseq-train " + shlex.join(flags),
             "params": sum(p.numel() for p in model.parameters()),
             "qk_scale_init": cfg.model.qk_scale_init if getattr(cfg.model, "qk_scale", "none") != "none" else None,
             "outcome": None,
@@ -112,6 +113,9 @@ def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
             "loss_scale": [],  # per attempted update: the scale its backward pass used
             "stats": [],
         }
+        # The paths of this machine: the data, the plugin, the temporary save directory.
+        for path, name in ((str(bin_dir), "DATA_BIN"), (USER_DIR, "USER_DIR"), (save_dir, "SAVE_DIR")):
+            record["command"] = record["command"].replace(path, name)
         scaler = trainer.optimizer.scaler
 
         def take_snapshot():
