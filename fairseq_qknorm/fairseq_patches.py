@@ -13,6 +13,10 @@ when the plugin is imported (which `--user-dir` does); each patch is narrow and 
    line, not a traceback through fairseq (errors.one_line says which).
 5. numpy 2: fairseq's TokenBlockDataset (--task language_modeling --sample-break-mode eos) uses
    `np.compat.long`, which numpy 2 removed; that module alone sees numpy with `compat` put back.
+6. `--fp16` on the CPU, for testing: the two CUDA-only calls on fairseq's fp16 path (the flat fp32
+   copy's device, the zero gradient norm of a skipped update) stay on the CPU while a CPU trainer
+   builds its optimizer and takes a step; fairseq's FP16Optimizer, MemoryEfficientFP16Optimizer
+   and loss scaler run unchanged. A GPU run never sees it.
 """
 
 import argparse
@@ -221,4 +225,62 @@ def install():
     allow_bf16_without_tpu()
     install_excepthook()
     give_token_blocks_np_compat()
+    allow_fp16_on_cpu()
     _installed = True
+
+
+# ------------------------------------------------------------------ 6. --fp16 on the CPU
+FP16_ON_CPU_NOTE = (
+    "--fp16 on the CPU: fairseq's fp16 training (fp16 model, dynamic loss scaling) runs, for testing; "
+    "it is several times slower than fp32 on a CPU"
+)
+
+
+def _tensor_kept_on_cpu(*args, **kwargs):
+    # Trainer.train_step, after a gradient overflow: `grad_norm = torch.tensor(0.0).cuda()`.
+    t = torch.tensor(*args, **kwargs)
+    t.cuda = lambda *a, **k: t  # this one tensor only
+    return t
+
+
+def allow_fp16_on_cpu():
+    # fairseq 0.12's fp16 path assumes CUDA in two places, and `--cpu --fp16` stopped there:
+    # FP16Optimizer.build_fp32_params keys its flat fp32 copy by torch.cuda.current_device() (and
+    # later looks the fp16 params up by p.device.index, which is None on the CPU); Trainer.train_step
+    # moves the zero gradient norm of a skipped (overflowed) update to CUDA. While a CPU trainer
+    # with --fp16 builds its optimizer or takes a step, those two modules see a torch whose
+    # current_device is the CPU's index (None) and whose tensor(...).cuda() stays on the CPU;
+    # everything else, and every GPU or bf16 run, is left as fairseq has it.
+    from fairseq import trainer as trainer_module
+    from fairseq.optim import fp16_optimizer
+
+    cpu_views = {
+        fp16_optimizer: _ModuleView(torch, cuda=_ModuleView(torch.cuda, current_device=lambda: None)),
+        trainer_module: _ModuleView(torch, tensor=_tensor_kept_on_cpu),
+    }
+    Trainer = trainer_module.Trainer
+    fairseq_build_optimizer, fairseq_train_step = Trainer._build_optimizer, Trainer.train_step
+
+    def on_cpu(method):
+        def wrapped(self, *args, **kwargs):
+            if not (self.cfg.common.fp16 and self.device.type == "cpu"):
+                return method(self, *args, **kwargs)
+            swapped = [m for m in cpu_views if m.torch is torch]  # not already inside another call
+            for m in swapped:
+                m.torch = cpu_views[m]
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                for m in swapped:
+                    m.torch = torch
+
+        return wrapped
+
+    def build_optimizer(self):
+        if self.cfg.common.fp16 and self.device.type == "cpu" and not getattr(self, "_fp16_on_cpu_noted", False):
+            logger.info(FP16_ON_CPU_NOTE)
+            self._fp16_on_cpu_noted = True
+        return on_cpu(fairseq_build_optimizer)(self)
+
+    Trainer._build_optimizer = build_optimizer
+    Trainer.train_step = on_cpu(fairseq_train_step)
