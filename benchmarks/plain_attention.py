@@ -1,6 +1,7 @@
 """QK-norm written the way the paper's code does it, to show what the fused path buys: heads folded
-into the batch, bmm, scores * g, masked_fill with -1e9, softmax, dropout, bmm. Its incremental
-cache keeps one copy of the encoder keys per hypothesis (no beamable cross attention)."""
+into the batch, bmm, scores * g, masked_fill, softmax, dropout, bmm. Its incremental cache keeps
+one copy of the encoder keys per hypothesis (no beamable cross attention). Masked scores get the
+dtype's lowest value rather than the paper code's -1e9, which fp16 cannot hold."""
 
 import torch
 import torch.nn.functional as F
@@ -45,12 +46,13 @@ class PlainQKNormAttention(QKNormAttention):
                 self._set_input_buffer(incremental_state, saved)
         src_len = k.size(1)
         scores = torch.bmm(q, k.transpose(1, 2)) * self.qk_scale.g
+        masked = torch.finfo(scores.dtype).min
         if attn_mask is not None:
             blocked = attn_mask if attn_mask.dtype == torch.bool else attn_mask < 0
-            scores = scores.masked_fill(blocked, -1e9)
+            scores = scores.masked_fill(blocked, masked)
         if key_padding_mask is not None:
             scores = scores.view(bsz, heads, tgt_len, src_len)
-            scores = scores.masked_fill(key_padding_mask[:, None, None, :].bool(), -1e9)
+            scores = scores.masked_fill(key_padding_mask[:, None, None, :].bool(), masked)
             scores = scores.view(bsz * heads, tgt_len, src_len)
         probs = self.dropout_module(F.softmax(scores, dim=-1))
         out = torch.bmm(probs, v).transpose(0, 1).reshape(tgt_len, bsz, embed_dim)

@@ -205,6 +205,32 @@ def test_plain_attention_computes_what_qknorm_computes():
             torch.testing.assert_close(outs[1], outs[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_plain_attention_masks_in_half_precision(dtype):
+    # The benchmark's CUDA run starts with fp16: a mask value that fp16 cannot hold (the paper
+    # code's -1e9) stops it. Masked keys must get no weight, whatever they hold, and the output
+    # is the fp32 one within the dtype's rounding.
+    from benchmarks.arms import QK_SCALE_INIT
+    from benchmarks.plain_attention import PlainQKNormAttention
+
+    torch.manual_seed(0)
+    plain = PlainQKNormAttention(16, 4, qk_norm="l2", qk_scale="learned", qk_scale_init=QK_SCALE_INIT).eval()
+    x = torch.randn(5, 4, 16)
+    other = x.clone()
+    other[3:] = torch.randn(2, 4, 16)  # what the masked positions hold
+    pad = torch.zeros(4, 5, dtype=torch.bool)
+    pad[:, 3:] = True
+    causal = torch.triu(torch.full((5, 5), float("-inf")), 1)
+    tolerance = {torch.float16: 0.02, torch.bfloat16: 0.1}[dtype]
+    for call in (dict(key_padding_mask=pad), dict(attn_mask=causal), dict(attn_mask=causal.isinf())):
+        full = plain.float()(x, x, x, **call)[0]
+        half = plain.to(dtype)(x.to(dtype), x.to(dtype), x.to(dtype), **call)[0]
+        changed = plain(other.to(dtype), other.to(dtype), other.to(dtype), **call)[0]
+        assert half.dtype == dtype
+        torch.testing.assert_close(changed[:3], half[:3])
+        torch.testing.assert_close(half.float(), full, rtol=tolerance, atol=tolerance)
+
+
 def test_arms_differ_only_in_what_they_are_about():
     from fairseq.modules import MultiheadAttention
 
