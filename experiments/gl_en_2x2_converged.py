@@ -39,7 +39,7 @@ import sys
 import time
 
 from experiments.fairseq_logs import train_loss_curve
-from experiments.gl_en_2x2 import (
+from experiments.gl_en_2x2_records import (
     CELLS,
     SRC,
     TGT,

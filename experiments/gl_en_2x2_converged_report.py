@@ -15,7 +15,7 @@ from string import Template
 
 import numpy as np
 
-from experiments.gl_en_2x2 import CELLS, TGT, read_runs, sha1
+from experiments.gl_en_2x2_records import CELLS, TGT, read_runs, sha1
 from experiments.gl_en_2x2_report import EFFECTS, SHORT, T975, effects
 from fairseq_qknorm_cli.files import atomic_path, fail, write_text
 from fairseq_qknorm_cli.score import read_lines

@@ -19,7 +19,7 @@ import statistics
 
 import numpy as np
 
-from experiments.gl_en_2x2 import CELLS, TGT, read_runs, scored_dev, sha1
+from experiments.gl_en_2x2_records import CELLS, TGT, read_runs, scored_dev, sha1
 from fairseq_qknorm_cli.files import fail, write_text
 from fairseq_qknorm_cli.score import read_lines
 

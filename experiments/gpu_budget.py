@@ -29,7 +29,7 @@ import time
 from datetime import datetime
 
 from experiments.fairseq_logs import parse_train_log, parse_valid_line
-from experiments.gl_en_2x2 import CELLS, read_runs
+from experiments.gl_en_2x2_records import CELLS, read_runs
 from experiments.gl_en_2x2_report import cell_table
 from fairseq_qknorm_cli.files import fail, write_text
 

@@ -20,6 +20,7 @@ import re
 import statistics
 
 from experiments.fairseq_logs import parse_train_log
+from experiments.gl_en_2x2_records import CELLS, read_runs
 from fairseq_qknorm_cli.files import fail, write_text
 
 # Henry et al. (2020), Table 1: tokenized BLEU of the baseline (Transformers without Tears) and QKNorm.
@@ -236,8 +237,6 @@ TWO_BY_TWO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 
 def format_two_by_two(runs):
     """The 2x2's cells, mean test BLEU and chrF over the seeds recorded so far."""
-    from experiments.gl_en_2x2 import CELLS
-
     lines = ["| TED gl-en 2x2, cpu preset | seeds | BLEU | chrF |", "|---|---|---|---|"]
     for norm, attention in CELLS:
         rs = [r for r in runs if (r["norm"], r["attention"]) == (norm, attention)]
@@ -259,7 +258,7 @@ def table_main(args):
         fail(f"no results.json under {', '.join(args.dirs)} (run examples/ted/run.sh first)")
     lines = [format_table([_read_json(p) for p in paths])] if paths else []
     if os.path.exists(two_by_two):
-        lines += ["", *format_two_by_two(_read_json(two_by_two))]
+        lines += ["", *format_two_by_two(read_runs(TWO_BY_TWO))]
     print("\n".join(lines).strip("\n"))
 
 

@@ -1,6 +1,6 @@
-"""The gl-en 2x2's bookkeeping (experiments/gl_en_2x2.py) and report (gl_en_2x2_report.py) on
-made-up records: which runs are pending, the effects' algebra, and that the pooled bootstrap scores
-what sacrebleu scores on the concatenated test sets."""
+"""The gl-en 2x2's records (experiments/gl_en_2x2_records.py), campaign (gl_en_2x2.py) and report
+(gl_en_2x2_report.py) on made-up records: which runs are pending, the effects' algebra, and that
+the pooled bootstrap scores what sacrebleu scores on the concatenated test sets."""
 
 import json
 import random
@@ -8,10 +8,10 @@ import random
 import pytest
 from sacrebleu.metrics import BLEU
 
-from experiments import gl_en_2x2
+from experiments import gl_en_2x2, gl_en_2x2_records
 from experiments.gl_en_2x2_report import effects, over_seeds, pooled_bootstrap, sentence_statistics, write_report
 
-CELLS = gl_en_2x2.CELLS
+CELLS = gl_en_2x2_records.CELLS
 
 
 def test_effects_are_the_2x2_contrasts():
@@ -49,7 +49,7 @@ def make_records(tmp_path, seeds=(1, 2)):
         for cell in CELLS:
             r = random.Random(f"{cell}{seed}")
             hyp = [" ".join(w if r.random() < keep[cell] else "x" for w in line.split()) for line in ref]
-            name = gl_en_2x2.hyp_name(*cell, seed)
+            name = gl_en_2x2_records.hyp_name(*cell, seed)
             (records / name).write_text("\n".join(hyp) + "\n")
             bleu = BLEU(tokenize="none", force=True).corpus_score(hyp, [ref]).score
             runs.append(
@@ -69,17 +69,17 @@ def make_records(tmp_path, seeds=(1, 2)):
                     "L": 79,
                     "g0": 12.59,
                     "train_seconds": 60,
-                    "data_sha1": {"test.en": gl_en_2x2.sha1(data / "test.en")},
+                    "data_sha1": {"test.en": gl_en_2x2_records.sha1(data / "test.en")},
                 }
             )
-    gl_en_2x2.write_runs(str(records), runs)
+    gl_en_2x2_records.write_runs(str(records), runs)
     return records, data, ref, runs
 
 
 def test_pending_lists_the_runs_without_a_record(tmp_path):
     records, _, _, _ = make_records(tmp_path, seeds=(1,))
-    runs = gl_en_2x2.read_runs(str(records))
-    gl_en_2x2.write_runs(str(records), [r for r in runs if r["attention"] == "dot"])
+    runs = gl_en_2x2_records.read_runs(str(records))
+    gl_en_2x2_records.write_runs(str(records), [r for r in runs if r["attention"] == "dot"])
     assert gl_en_2x2.pending(str(records), [1, 2]) == [
         ("scalenorm", "qknorm", 1),
         ("layernorm", "qknorm", 1),
@@ -94,7 +94,9 @@ def test_pooled_bootstrap_scores_the_concatenated_test_sets(tmp_path):
     pooled = {}
     for cell in CELLS:
         hyps = [
-            line for seed in (1, 2) for line in (records / gl_en_2x2.hyp_name(*cell, seed)).read_text().splitlines()
+            line
+            for seed in (1, 2)
+            for line in (records / gl_en_2x2_records.hyp_name(*cell, seed)).read_text().splitlines()
         ]
         pooled[cell] = BLEU(tokenize="none", force=True).corpus_score(hyps, [ref + ref]).score
     for name, value in effects(pooled).items():
@@ -149,7 +151,7 @@ def test_runs_with_stale_dev_curves_show_their_scored_model_and_the_earlier_scor
             best_dev_bleu=None,
             checkpoint_best_by_logged_dev={"test_bleu": r["test_bleu"] - 1, "best_dev_bleu": 3.0},
         )
-    gl_en_2x2.write_runs(str(records), runs)
+    gl_en_2x2_records.write_runs(str(records), runs)
     write_report(str(records), str(data))
     text = (records / "README.md").read_text()
     assert "## A correction" in text and "All of these 8 runs" in text
@@ -171,6 +173,6 @@ def test_recorded_training_commands_name_no_folder_of_the_machine():
     command = (
         "fairseq-train /data/w/bin --user-dir /src/fairseq_qknorm --save-dir /data/w/arms/qknorm-seed1/checkpoints.tmp"
     )
-    assert gl_en_2x2.portable_command(command, "/data/w/arms/qknorm-seed1") == (
+    assert gl_en_2x2_records.portable_command(command, "/data/w/arms/qknorm-seed1") == (
         "fairseq-train $WORK/bin --user-dir $USER_DIR --save-dir $WORK/arms/qknorm-seed1/checkpoints.tmp"
     )

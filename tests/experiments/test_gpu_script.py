@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.gl_en_2x2 import CELLS
+from experiments.gl_en_2x2_records import CELLS
 from experiments.gpu_budget import plan, seeds
 
 ROOT = Path(__file__).resolve().parents[2]
