@@ -1,5 +1,6 @@
 """The report of the gl-en 2x2 (README.md and training-curves.png beside runs.json): the four cells,
-the two main effects and their interaction, each with two 95% intervals.
+the two main effects and their interaction, each with two 95% intervals. Its prose is the Markdown
+template gl_en_2x2_report.md; this module computes the numbers and tables that fill it.
 
 - Over seeds: each seed gives one estimate of an effect (its four runs); the interval is the mean
   +- t(0.975, n-1) * sd / sqrt(n). It measures how much training randomness moves the effect.
@@ -15,14 +16,20 @@ Effects, in BLEU points, from the cells' scores (S = ScaleNorm, L = LayerNorm, d
 """
 
 import os
+import re
 import statistics
+from string import Template
 
 import numpy as np
 
+from experiments.corpus_scores import METRICS
 from experiments.gl_en_2x2_records import CELLS, TGT, read_runs, scored_dev, sha1
+from experiments.results import PAPER_BLEU
+from fairseq_qknorm_cli import plots
 from fairseq_qknorm_cli.files import fail, write_text
 from fairseq_qknorm_cli.score import read_lines
 
+TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gl_en_2x2_report.md")
 NAMES = {
     ("scalenorm", "dot"): "ScaleNorm + scaled dot (the paper's baseline)",
     ("scalenorm", "qknorm"): "ScaleNorm + QKNorm",
@@ -75,29 +82,27 @@ def over_seeds(runs, seeds, metric):
     return out
 
 
-def sentence_statistics(records, ref, runs, seeds, metric_name):
-    """{cell: (seeds x sentences x k) sacrebleu sufficient statistics} and the metric object."""
-    from sacrebleu.metrics import BLEU, CHRF
-
-    metric = BLEU(tokenize="none", force=True) if metric_name == "bleu" else CHRF()
+def sentence_statistics(records, ref, runs, seeds, metric):
+    """{cell: (seeds x sentences x k) sufficient statistics of `metric` ("bleu" or "chrf")}."""
+    statistics_of, _ = METRICS[metric]
     stats = {}
     for cell in CELLS:
         per_seed = []
         for seed in seeds:
             run = next(r for r in runs if (r["norm"], r["attention"], r["seed"]) == (*cell, seed))
-            hyps = read_lines(os.path.join(records, run["hyp"]), "hypotheses")
-            per_seed.append(np.asarray(metric._extract_corpus_statistics(hyps, [ref]), dtype=np.float64))
+            per_seed.append(statistics_of(read_lines(os.path.join(records, run["hyp"]), "hypotheses"), ref))
         stats[cell] = np.stack(per_seed)
-    return stats, metric
+    return stats
 
 
 def pooled_bootstrap(stats, metric):
     """{effect: (point, low, high)}: the effect on the pooled test sets, and its paired-bootstrap
     95% interval over resampled test sentences."""
+    _, score_of = METRICS[metric]
 
     def score(cell, rows=None):
         s = stats[cell] if rows is None else stats[cell][:, rows]
-        return float(metric._compute_score_from_stats(s.sum(axis=(0, 1)).tolist()).score)
+        return float(score_of(s.sum(axis=(0, 1))))
 
     point = effects({cell: score(cell) for cell in CELLS})
     n = next(iter(stats.values())).shape[1]
@@ -113,8 +118,6 @@ def pooled_bootstrap(stats, metric):
 def training_figure(records, runs):
     """The cells' training loss (mean over seeds, smoothed over 100 updates) beside every run's
     test and dev BLEU."""
-    from fairseq_qknorm_cli import plots
-
     plots.require_matplotlib()
     curves, scores = {}, {}
     for cell in CELLS:
@@ -196,32 +199,13 @@ def g_table(runs):
 
 
 def correction(runs):
-    """For runs trained before the FixNorm projection's cache was fixed: what their logs got wrong,
-    and what the test scores were at the checkpoint those logs selected."""
+    """The template's values for runs trained before the FixNorm projection's cache was fixed
+    (dev_curve_valid false): how many, the test scores at the checkpoint their stale logs selected,
+    and how far that checkpoint was from the scored one."""
     affected = [r for r in runs if not r.get("dev_curve_valid", True)]
     if not affected:
-        return []
-    lines = [
-        "## A correction: the dev numbers these runs logged",
-        "",
-        f"{'All' if len(affected) == len(runs) else len(affected)} of these {len(runs)} runs were trained with a "
-        "version of the plugin whose FixNorm output projection",
-        "cached its unit-length matrix for inference and refreshed it when the weight's version changed;",
-        "fairseq's optimizers update `p.data`, which leaves the version alone. So from the second",
-        "validation on, fairseq-train measured dev loss and dev BLEU with the output projection of the first",
-        "validation, and picked `checkpoint_best.pt` by those numbers. Training itself was unaffected: it",
-        "normalizes afresh at every step, and the learning rate rose through its warm-up to the peak and was",
-        "never reduced, so no decision of the scheduler depended on the stale numbers. A new process",
-        "(fairseq-generate, fairseq-validate) always saw the right model. The plugin now drops the cache in",
-        "train() and eval().",
-        "",
-        "These runs are scored again at `checkpoint_last.pt` (the same model for every run: update",
-        f"{affected[0]['updates']:,}), with the fixed plugin: the test set translated as run.sh now does it",
-        "(fairseq-generate, beam 4, length penalty 0.6), the dev set the same way (sacrebleu 13a), and the",
-        "dev loss by fairseq-validate with the batches of training (`--max-tokens 4096",
-        "--required-batch-size-multiple 1`). Before, they were scored at the checkpoint the stale dev BLEU",
-        "picked:",
-        "",
+        return {}
+    table = [
         "| cell | test BLEU, at the logged best (before) | at the end of the budget (now) | logged best dev BLEU | dev BLEU at the end |",
         "|---|---|---|---|---|",
     ]
@@ -230,7 +214,7 @@ def correction(runs):
         if rs:
             before = statistics.mean(r["checkpoint_best_by_logged_dev"]["test_bleu"] for r in rs)
             logged = statistics.mean(r["checkpoint_best_by_logged_dev"]["best_dev_bleu"] for r in rs)
-            lines.append(
+            table.append(
                 f"| {SHORT[cell]} | {before:.2f} | {statistics.mean(r['test_bleu'] for r in rs):.2f} "
                 f"| {logged:.2f} | {statistics.mean(r['scored_dev'][2] for r in rs):.2f} |"
             )
@@ -240,61 +224,108 @@ def correction(runs):
         for r in affected
         if r["test_bleu"] != r["checkpoint_best_by_logged_dev"]["test_bleu"]
     ]
-    lines += [
-        "",
-        f"In {len(apart)} of the {len(affected)} runs the two are different checkpoints, "
-        + (f"{min(apart)} updates" if min(apart) == max(apart) else f"{min(apart)} to {max(apart)} updates")
-        + " apart; "
-        f"their test BLEU differs by {statistics.mean(g for g in gaps if g):.2f} on average and by up to {max(gaps):.2f}. "
-        "At this budget a run's score depends on the exact checkpoint about as much as on its cell."
+    return {
+        "corrected_count": "All" if len(affected) == len(runs) else len(affected),
+        "corrected_runs": len(affected),
+        "corrected_updates": f"{affected[0]['updates']:,}",
+        "correction_table": "\n".join(table),
+        "apart_count": len(apart),
+        "apart_updates": (f"{min(apart)}" if min(apart) == max(apart) else f"{min(apart)} to {max(apart)}") + " updates"
         if apart
         else "",
-        "",
-        "runs.json keeps the logged dev curves (`dev`, marked `dev_curve_valid: false`) and the earlier",
-        "scores (`checkpoint_best_by_logged_dev`); `best_dev_bleu` is empty, as the true dev BLEU of the",
-        "intermediate models was not kept. Retraining (the same commands) would log true curves.",
-        "",
-    ]
-    return lines
+        "gap_mean": f"{statistics.mean(g for g in gaps if g):.2f}" if apart else "",
+        "gap_max": f"{max(gaps):.2f}",
+    }
+
+
+EFFECT_MEANS = {
+    "QKNorm": "QKNorm instead of scaled dot product, averaged over the two norms",
+    "LayerNorm": "LayerNorm instead of ScaleNorm, averaged over the two attentions",
+    "interaction": "how much more QKNorm gains under LayerNorm than under ScaleNorm",
+}
 
 
 def reading(seeds_ci, boot, unit="BLEU"):
-    """What the intervals support, in words, effect by effect."""
+    """What the intervals support, one line per effect."""
     lines = []
-    for name, what in (
-        ("QKNorm", "QKNorm instead of scaled dot product, averaged over the two norms"),
-        ("LayerNorm", "LayerNorm instead of ScaleNorm, averaged over the two attentions"),
-        ("interaction", "how much more QKNorm gains under LayerNorm than under ScaleNorm"),
-    ):
-        mean, half, _ = seeds_ci[name] if seeds_ci else (None, None, None)
+    for name, what in EFFECT_MEANS.items():
         point, low, high = boot[name]
         by_boot = "excludes 0" if _excludes_zero(low, high) else "includes 0"
-        if half is not None:
-            by_seeds = "excludes 0" if _excludes_zero(mean - half, mean + half) else "includes 0"
-            verdict = (
-                "supported by both intervals"
-                if by_boot == by_seeds == "excludes 0"
-                else "not distinguishable from no effect"
-                if by_boot == by_seeds == "includes 0"
-                else "beyond the test-set noise but not beyond the seed noise"
-                if by_boot == "excludes 0"
-                else "consistent across seeds but within the test-set noise"
-            )
-            lines.append(
-                f"- **{name}**, {unit} ({what}): {point:+.2f} on the pooled test sets; the interval over "
-                f"seeds {by_seeds}, the bootstrap interval {by_boot}: {verdict}."
-            )
-        else:
+        if seeds_ci is None:
             lines.append(
                 f"- **{name}**, {unit} ({what}): {point:+.2f}; the bootstrap interval {by_boot} "
                 f"(one complete seed: no interval over seeds yet, so training randomness is not measured)."
             )
+            continue
+        mean, half, _ = seeds_ci[name]
+        by_seeds = "excludes 0" if _excludes_zero(mean - half, mean + half) else "includes 0"
+        verdict = {
+            ("excludes 0", "excludes 0"): "supported by both intervals",
+            ("includes 0", "includes 0"): "not distinguishable from no effect",
+            ("excludes 0", "includes 0"): "beyond the test-set noise but not beyond the seed noise",
+            ("includes 0", "excludes 0"): "consistent across seeds but within the test-set noise",
+        }[by_boot, by_seeds]
+        lines.append(
+            f"- **{name}**, {unit} ({what}): {point:+.2f} on the pooled test sets; the interval over "
+            f"seeds {by_seeds}, the bootstrap interval {by_boot}: {verdict}."
+        )
     return lines
 
 
+def effects_section(records, ref, runs, seeds):
+    """The template's values for the effects: their table and what the intervals support."""
+    ci = {m: over_seeds(runs, seeds, key) for m, key in (("bleu", "test_bleu"), ("chrf", "test_chrf"))}
+    boot = {m: pooled_bootstrap(sentence_statistics(records, ref, runs, seeds, m), m) for m in ("bleu", "chrf")}
+    table = [
+        "| effect | BLEU, over seeds | BLEU, pooled, paired bootstrap | chrF, over seeds | chrF, pooled, paired bootstrap |",
+        "|---|---|---|---|---|",
+    ]
+    for name in EFFECTS:
+        cols = []
+        for metric in ("bleu", "chrf"):
+            mean, half, _ = ci[metric][name]
+            point, low, high = boot[metric][name]
+            cols += [_ci(mean, half), f"{point:+.2f} [{low:+.2f}, {high:+.2f}]"]
+        table.append(f"| {name} | {' | '.join(cols)} |")
+    several = len(seeds) > 1
+    return {
+        "complete_count": len(seeds),
+        "effects_table": "\n".join(table),
+        "resamples": RESAMPLES,
+        "sentences": f"{len(ref):,}",
+        "reading": "\n".join(
+            reading(ci["bleu"] if several else None, boot["bleu"])
+            + reading(ci["chrf"] if several else None, boot["chrf"], "chrF")
+        ),
+    }
+
+
+def resumed_runs(runs):
+    """The runs that a stopped campaign resumed, and at which updates, in the order of runs.json."""
+    resumed = sorted(
+        (r for r in runs if r.get("resumed_at_updates")),
+        key=lambda r: (r["seed"], CELLS.index((r["norm"], r["attention"]))),
+    )
+    return "; ".join(
+        f"{NAMES[r['norm'], r['attention']]}, seed {r['seed']}, at update "
+        + " and again at ".join(str(u) for u in r["resumed_at_updates"])
+        for r in resumed
+    )
+
+
+def fill(template, flags, values):
+    """The template with its conditional blocks (between `<!-- if NAME -->` and `<!-- end NAME -->`
+    lines) kept where flags[NAME] holds and dropped elsewhere, and its $placeholders filled."""
+    block = re.compile(r"<!-- if (\w+) -->\n(.*?)<!-- end \1 -->\n", re.DOTALL)
+    while block.search(template):
+        template = block.sub(lambda m: m.group(2) if flags[m.group(1)] else "", template)
+    return Template(template).substitute(values).rstrip("\n") + "\n"
+
+
 def write_report(records, data_dir):
-    """README.md and training-curves.png in RECORDS; DATA_DIR holds the test references the runs were
-    scored against (checked by sha1: they are not kept in RECORDS)."""
+    """README.md and training-curves.png in RECORDS, from the template gl_en_2x2_report.md; DATA_DIR
+    holds the test references the runs were scored against (checked by sha1: they are not kept in
+    RECORDS)."""
     runs = read_runs(records)
     if not runs:
         fail(f"{records}/runs.json: no runs recorded yet")
@@ -305,123 +336,30 @@ def write_report(records, data_dir):
     if sha1(ref_path) != runs[0]["data_sha1"][f"test.{TGT}"]:
         fail(f"--data {data_dir}: test.{TGT} is not the reference the runs were scored against (sha1 differs)")
     ref = read_lines(ref_path, "--data")
-    md = [
-        "# The 2x2 on TED gl-en: does QK-norm itself help?",
-        "",
-        "The paper's QKNorm system differs from its baseline in two things: ScaleNorm becomes LayerNorm, and",
-        "scaled dot-product attention becomes QKNorm. This experiment trains all four combinations with",
-        "everything else equal (PreNorm, FixNorm, shared embeddings, word dropout 0.1, data, sentencepiece",
-        "model, budget, seeds) and separates the two.",
-        "",
-        f"Recorded: {len(runs)} of {len(CELLS) * 3} runs; seeds with all four cells: "
-        f"{', '.join(map(str, seeds)) or 'none yet'}.",
-        "",
-        "## The cells",
-        "",
-        *cell_table(runs),
-        "",
-        "Every run is scored with its model at the end of the budget (`checkpoint_last.pt`), on test and dev",
-        "alike. Test BLEU: sacrebleu, `--tokenize none` on the Moses-tokenized release (the paper's tokenized",
-        "BLEU); chrF: sacrebleu's default; dev BLEU: sacrebleu's 13a against dev.en (fairseq-train's `--eval-bleu`",
-        "scores against the references it decodes from the binarized data, and reads a little higher).",
-        "Each run's detokenized test hypotheses are in this folder (runs.json names them).",
-        "",
-    ]
-    md += correction(runs)
-    if seeds:
-        ci = {m: over_seeds(runs, seeds, key) for m, key in (("bleu", "test_bleu"), ("chrf", "test_chrf"))}
-        boot = {}
-        for metric in ("bleu", "chrf"):
-            stats, scorer = sentence_statistics(records, ref, runs, seeds, metric)
-            boot[metric] = pooled_bootstrap(stats, scorer)
-        md += [
-            "## Effects",
-            "",
-            f"Over the {len(seeds)} complete seed(s). Each cell: effect [95% interval].",
-            "",
-            "| effect | BLEU, over seeds | BLEU, pooled, paired bootstrap | chrF, over seeds | chrF, pooled, paired bootstrap |",
-            "|---|---|---|---|---|",
-        ]
-        for name in EFFECTS:
-            cols = []
-            for metric in ("bleu", "chrf"):
-                mean, half, _ = ci[metric][name]
-                point, low, high = boot[metric][name]
-                cols += [_ci(mean, half), f"{point:+.2f} [{low:+.2f}, {high:+.2f}]"]
-            md.append(f"| {name} | {' | '.join(cols)} |")
-        md += [
-            "",
-            "QKNorm = mean of (QKNorm - dot) under each norm; LayerNorm = mean of (LayerNorm - ScaleNorm) "
-            "under each attention; interaction = (LayerNorm: QKNorm - dot) - (ScaleNorm: QKNorm - dot).",
-            f"Over seeds: mean +- t * sd / sqrt(n). Paired bootstrap: {RESAMPLES} resamples of the "
-            f"{next(iter(stats.values())).shape[1]:,} test sentences, every seed's translation of each drawn "
-            "sentence kept (experiments/gl_en_2x2_report.py).",
-            "",
-            "## What the numbers support",
-            "",
-            *reading(ci["bleu"] if len(seeds) > 1 else None, boot["bleu"]),
-            *reading(ci["chrf"] if len(seeds) > 1 else None, boot["chrf"], "chrF"),
-            "",
-        ]
-    md += [
-        "## Training curves",
-        "",
-        "![training loss and BLEU](training-curves.png)",
-        "",
-        "Training loss is what fairseq-train logs every 20 updates (dropout and word dropout on); test and",
-        "dev BLEU are those of the scored models. The dev curves are not drawn: for runs trained before the",
-        "correction above they measured a stale output projection after the first validation.",
-        "",
-        "## The learned g",
-        "",
-        "g of every attention module of the scored model (layers in order), against g0 = log2(L^2 - L):",
-        "",
-        *g_table(runs),
-        "",
-    ]
-    md += [
-        "## Beside the paper and the toy corpus",
-        "",
-        "- The paper (gl-en, full size: 4+4 layers, width 512, dropout 0.4, trained to convergence on a GPU):",
-        "  baseline 22.01 -> QKNorm 24.21 BLEU (+2.20), the two changes together; it did not separate them.",
-        "- The toy corpus 2x2 (examples/ted/RESULTS-toy-ablations.md, 3 seeds): QKNorm +4.4 BLEU under",
-        "  ScaleNorm, +5.4 under LayerNorm; LayerNorm +0.4 with scaled dot, +1.5 with QKNorm (at checkpoints",
-        "  picked by the same stale dev BLEU: see the correction there).",
-        "- This run is the `cpu` preset (width 128, 4+4 layers, 4 heads, dropout 0.1, 1,400 updates of",
-        "  4,096 tokens, about 12 epochs): small models, far from converged. Its absolute BLEU is not",
-        "  the paper's; what it measures is the direction and size of each change at this budget.",
-        "",
-        "## How it ran",
-        "",
-        "```sh",
-        "DATA_DIR=path/to/ted-gl-en bash examples/ted/gl-en-2x2/run.sh   # trains what has no record yet",
-        ".venv/bin/python -m experiments.gl_en_2x2 report examples/ted/gl-en-2x2 --data path/to/ted-gl-en   # this page",
-        "```",
-        "",
-        "Data: TED gl-en as ../shared/data/ted-gl-en holds it (the CMU 11-731 extraction of Qi et al.'s",
-        "corpus: 11,233 / 742 / 1,112 sentence pairs; runs.json records the sha1 of every file). Each",
-        "entry of runs.json holds its fairseq-train command, dev and training-loss curves, learned g and training time;",
-        "two runs trained side by side with one thread each, on a 2-core machine that other jobs also",
-        "used at times: the training times say how long a run took there, not what a run costs.",
-        "",
-    ]
-    resumed = [r for r in runs if r.get("resumed_at_updates")]
-    if resumed:
-        md += [
-            "Resumed runs: a campaign stopped mid-run continues from the run's checkpoint_last.pt, as",
-            "fairseq-train does when restarted on the same --save-dir. Resumed here: "
-            + "; ".join(
-                f"{NAMES[r['norm'], r['attention']]}, seed {r['seed']}, at update "
-                + " and again at ".join(str(u) for u in r["resumed_at_updates"])
-                for r in sorted(resumed, key=lambda r: (r["seed"], CELLS.index((r["norm"], r["attention"]))))
-            )
-            + ". fairseq restores the weights, the optimizer and the data position, so such a run trains",
-            "the same number of updates on the same batches; it is not bit-identical to an uninterrupted run",
-            "(fairseq-train seeds torch's random state from --seed when it starts, so dropout draws other",
-            "masks after a resume), and its train time counts only the part after the last resume, so the",
-            "table leaves it out of the mean.",
-            "",
-        ]
-    if runs:
-        training_figure(records, runs)
-    write_text(os.path.join(records, "README.md"), "\n".join(md))
+    corrected = correction(runs)
+    effect_values = effects_section(records, ref, runs, seeds) if seeds else {}
+    paper_baseline, paper_qknorm = PAPER_BLEU["gl-en"]
+    values = {
+        "recorded": len(runs),
+        "planned": len(CELLS) * 3,
+        "complete_seeds": ", ".join(map(str, seeds)) or "none yet",
+        "run_count": len(runs),
+        "cell_table": "\n".join(cell_table(runs)),
+        "g_table": "\n".join(g_table(runs)),
+        "paper_baseline": f"{paper_baseline:.2f}",
+        "paper_qknorm": f"{paper_qknorm:.2f}",
+        "paper_gain": f"{paper_qknorm - paper_baseline:+.2f}",
+        "resumed_runs": resumed_runs(runs),
+        **corrected,
+        **effect_values,
+    }
+    flags = {
+        "corrected": bool(corrected),
+        "apart": bool(corrected.get("apart_count")),
+        "effects": bool(seeds),
+        "resumed": bool(values["resumed_runs"]),
+    }
+    with open(TEMPLATE, encoding="utf-8") as f:
+        text = fill(f.read(), flags, values)
+    training_figure(records, runs)
+    write_text(os.path.join(records, "README.md"), text)

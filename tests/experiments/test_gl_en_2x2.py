@@ -6,7 +6,7 @@ import json
 import random
 
 import pytest
-from sacrebleu.metrics import BLEU
+from sacrebleu.metrics import BLEU, CHRF
 
 from experiments import gl_en_2x2, gl_en_2x2_records
 from experiments.gl_en_2x2_report import effects, over_seeds, pooled_bootstrap, sentence_statistics, write_report
@@ -87,10 +87,11 @@ def test_pending_lists_the_runs_without_a_record(tmp_path):
     ]
 
 
-def test_pooled_bootstrap_scores_the_concatenated_test_sets(tmp_path):
+@pytest.mark.parametrize("metric", ["bleu", "chrf"])
+def test_pooled_bootstrap_scores_the_concatenated_test_sets(tmp_path, metric):
     records, _, ref, runs = make_records(tmp_path)
-    stats, metric = sentence_statistics(str(records), ref, runs, [1, 2], "bleu")
-    boot = pooled_bootstrap(stats, metric)
+    boot = pooled_bootstrap(sentence_statistics(str(records), ref, runs, [1, 2], metric), metric)
+    sacrebleu_metric = BLEU(tokenize="none", force=True) if metric == "bleu" else CHRF()
     pooled = {}
     for cell in CELLS:
         hyps = [
@@ -98,7 +99,7 @@ def test_pooled_bootstrap_scores_the_concatenated_test_sets(tmp_path):
             for seed in (1, 2)
             for line in (records / gl_en_2x2_records.hyp_name(*cell, seed)).read_text().splitlines()
         ]
-        pooled[cell] = BLEU(tokenize="none", force=True).corpus_score(hyps, [ref + ref]).score
+        pooled[cell] = sacrebleu_metric.corpus_score(hyps, [ref + ref]).score
     for name, value in effects(pooled).items():
         point, low, high = boot[name]
         assert point == pytest.approx(value)
@@ -176,3 +177,24 @@ def test_recorded_training_commands_name_no_folder_of_the_machine():
     assert gl_en_2x2_records.portable_command(command, "/data/w/arms/qknorm-seed1") == (
         "fairseq-train $WORK/bin --user-dir $USER_DIR --save-dir $WORK/arms/qknorm-seed1/checkpoints.tmp"
     )
+
+
+def test_report_with_one_complete_seed_and_resumed_runs(tmp_path):
+    records, data, _, runs = make_records(tmp_path, seeds=(1,))
+    runs[0]["resumed_at_updates"] = [40, 80]
+    gl_en_2x2_records.write_runs(str(records), runs + [dict(runs[1], seed=2, hyp=runs[1]["hyp"])])
+    write_report(str(records), str(data))
+    text = (records / "README.md").read_text()
+    assert "Recorded: 5 of 12 runs; seeds with all four cells: 1." in text
+    assert "one complete seed: no interval over seeds yet" in text
+    assert "Resumed here: ScaleNorm + scaled dot (the paper's baseline), seed 1, at update 40 and again at 80." in text
+    assert "$" not in text and "<!--" not in text
+
+
+def test_report_without_a_complete_seed_has_no_effects(tmp_path):
+    records, data, _, runs = make_records(tmp_path, seeds=(1,))
+    gl_en_2x2_records.write_runs(str(records), runs[:3])
+    write_report(str(records), str(data))
+    text = (records / "README.md").read_text()
+    assert "seeds with all four cells: none yet." in text
+    assert "## Effects" not in text and "## The cells" in text and "Resumed" not in text
