@@ -9,11 +9,12 @@ The text files default to $LM_SWEEP_TRAIN (several: separated by ':') and $LM_SW
 text is encoded with a sentencepiece BPE model trained on it (--vocab-size) and binarized by
 fairseq-preprocess --only-source once, into WORK/bin. Every run is fairseq's language_modeling
 task, model, criterion and Trainer, built from fairseq-train flags (results.json holds each run's
-command), with blocks of --tokens-per-sample tokens (--sample-break-mode none). The run records,
-the divergence rule, the tables and the figures are the translation sweep's (experiments.lr_sweep);
-here the attention statistics are taken on a fixed batch of validation blocks. RESULTS adds the
-learning-rate sensitivity of Wortsman et al.: the mean, over the swept rates, of
-min(final loss, loss at initialization) minus the best final loss of the arm.
+command), with blocks of --tokens-per-sample tokens (--sample-break-mode none). A configuration
+of the sweep engine (experiments/sweep.py: the run records, the divergence rule, the tables and the
+figures); here the attention statistics are taken on a fixed batch of validation blocks. tables.md
+adds the learning-rate sensitivity of Wortsman et al.: the mean, over the swept rates, of
+min(final loss, loss at initialization) minus the best final loss of the arm. Rerun with every run
+already in OUT/results.json, it trains nothing and writes the figures and tables again.
 """
 
 import argparse
@@ -25,15 +26,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from experiments import lr_sweep
-from experiments.lr_sweep import summarize
+from experiments import sweep
 from fairseq_qknorm_cli.files import fail, write_text
 
 # Every arm: pre-norm with a final LayerNorm, 2 layers, 64 wide, 4 heads (head dim 16), FFN 256,
 # shared input/output embeddings, no dropout. Only the attention differs. fairseq's `--arch
 # transformer_lm` takes its dataclass defaults, which are post-norm (its named LM architectures and
 # transformer_lm_qknorm are pre-norm): --decoder-normalize-before makes the stock arm pre-norm too.
-# The arm names are the translation sweep's, so that its tables and figures apply unchanged.
+# The arm names are the translation sweep's, so that the two sweeps' tables read alike.
 MODEL = [
     "--decoder-normalize-before",
     "--decoder-layers",
@@ -69,7 +69,6 @@ ARMS = {
     ],
     "qk_layernorm": ["--arch", "transformer_lm_qknorm", "--qk-norm", "layernorm", "--qk-scale", "none"],
 }
-assert list(ARMS) == list(lr_sweep.ARMS)  # the shared tables order rows by the translation sweep's arms
 DEFAULT_LRS = [3e-3, 1e-2, 3e-2, 1e-1, 3e-1]
 TOKENS_PER_SAMPLE = 64
 MAX_TOKENS = 1024  # 16 blocks per update
@@ -120,54 +119,23 @@ def prepare_data(work_dir: Path, train, valid, vocab_size) -> Path:
     return bin_dir
 
 
-def fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir):
-    """The fairseq-train flags of one run (the translation sweep's optimizer and schedule)."""
-    from fairseq_qknorm import USER_DIR
-
-    return [
-        str(bin_dir),
-        "--user-dir",
-        USER_DIR,
-        "--task",
-        "language_modeling",
-        "--sample-break-mode",
-        "none",
-        "--tokens-per-sample",
-        str(TOKENS_PER_SAMPLE),
-        *ARMS[arm],
-        *MODEL,
-        *lr_sweep.training_flags(
-            lr, seed, updates, warmup, save_dir, criterion=["--criterion", "cross_entropy"], max_tokens=MAX_TOKENS
-        ),
-    ]
-
-
-def attention_snapshot(model, criterion, sample):
-    """The translation sweep's statistics on the fixed batch of validation blocks, per
+def real_positions(sample, padding_idx):
+    """The real (query, key) positions of the fixed batch of validation blocks, the same for every
     self-attention module; the causal mask's -inf logits are left out of the largest logit."""
-    valid = sample["net_input"]["src_tokens"].ne(criterion.padding_idx)
-    return lr_sweep.attention_statistics(model, criterion, sample, lambda where: (valid, valid))
+    valid = sample["net_input"]["src_tokens"].ne(padding_idx)
+    return lambda where: (valid, valid)
 
 
-def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
-    """Train one arm at one peak learning rate: the translation sweep's loop with this sweep's
-    flags, statistics and fixed batch; its record, as the translation sweep's."""
-    from fairseq_qknorm import USER_DIR
-
-    return lr_sweep.train_run(
-        bin_dir,
-        arm,
-        lr,
-        seed,
-        updates,
-        warmup,
-        stats_interval,
-        log,
-        flags_for=fairseq_flags,
-        snapshot_of=attention_snapshot,
-        stats_items=STATS_BLOCKS,
-        hidden_paths=((str(bin_dir), "WORK/bin"), (USER_DIR, "$(fairseq-qknorm-user-dir)")),
-    )
+SWEEP = sweep.Sweep(
+    name="lm_sweep",
+    task=["--task", "language_modeling", "--sample-break-mode", "none", "--tokens-per-sample", str(TOKENS_PER_SAMPLE)],
+    arms=ARMS,
+    model=MODEL,
+    criterion=["--criterion", "cross_entropy"],
+    max_tokens=MAX_TOKENS,
+    stats_items=STATS_BLOCKS,
+    real_positions=real_positions,
+)
 
 
 def sensitivity(runs):
@@ -176,7 +144,7 @@ def sensitivity(runs):
     counts as the initial loss (bits per token)."""
     out = {}
     for arm in ARMS:
-        rows = [summarize(r) for r in runs if r["arm"] == arm]
+        rows = [sweep.summarize(r) for r in runs if r["arm"] == arm]
         if not rows:
             continue
         initial = max(r["stats"][0]["loss"] for r in runs if r["arm"] == arm)
@@ -233,8 +201,8 @@ def parse_args(argv=None):
         metavar="TEXT",
         help="validation text: the fixed batch of the attention statistics (default: $LM_SWEEP_VALID)",
     )
-    p.add_argument("--vocab-size", type=lr_sweep._positive_int, default=4000, help="sentencepiece BPE vocabulary")
-    lr_sweep.add_sweep_args(p, ARMS, DEFAULT_LRS, updates=100, warmup_updates=25, stats_interval=20, threads=1)
+    p.add_argument("--vocab-size", type=sweep.positive_int, default=4000, help="sentencepiece BPE vocabulary")
+    sweep.add_sweep_args(p, ARMS, DEFAULT_LRS, updates=100, warmup_updates=25, stats_interval=20, threads=1)
     p.add_argument("--work-dir", type=Path, required=True, help="the binarized text (made once)")
     p.add_argument("--out-dir", type=Path, required=True, help="results.json, the figures and the tables")
     args = p.parse_args(argv)
@@ -243,7 +211,7 @@ def parse_args(argv=None):
     for path in [*args.train, args.valid]:
         if not path.is_file():
             p.error(f"{path}: no such text file")
-    lr_sweep.check_sweep_args(p, args)
+    sweep.check_sweep_args(p, args)
     return args
 
 
@@ -257,17 +225,14 @@ def main(argv=None):
         "vocab_size": args.vocab_size,
         "text": [p.name for p in [*args.train, args.valid]],
         "stats_blocks": STATS_BLOCKS,
-        "window": lr_sweep.WINDOW,
+        "window": sweep.WINDOW,
     }
-    # The results name the text files and the work directory, not where they were on this machine.
-    argv_text = shlex.join(sys.argv[1:] if argv is None else argv).replace(str(args.work_dir), "WORK")
-    for path in [*args.train, args.valid]:
-        argv_text = argv_text.replace(str(path), path.name)
-    command = "python -m experiments.lm_sweep " + argv_text
+    # The results name the text files, not where they were on this machine.
+    named = {path: path.name for path in [*args.train, args.valid]}
     prepare = functools.partial(prepare_data, args.work_dir, args.train, args.valid, args.vocab_size)
-    runs, _ = lr_sweep.run_sweep("lm_sweep", args, settings, command, prepare, train_run)
-    lr_sweep.write_figures(runs, args.out_dir, args.updates)
-    tables = [lr_sweep.markdown_table(runs), lr_sweep.seed_table(runs), sensitivity_table(runs)]
+    runs = sweep.run_sweep(SWEEP, args, argv, settings, prepare, named_paths=named)
+    sweep.write_figures(runs, ARMS, args.out_dir, args.updates)
+    tables = [sweep.markdown_table(runs, ARMS), sweep.seed_table(runs, ARMS), sensitivity_table(runs)]
     write_text(str(args.out_dir / "tables.md"), "\n\n".join(tables) + "\n")
     print("\n\n".join(tables))
 

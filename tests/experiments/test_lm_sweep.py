@@ -72,11 +72,11 @@ def test_sweep_runs_end_to_end_on_a_tiny_text(toy_raw, tmp_path):
     assert [r["arm"] for r in results["runs"]] == ["stock", "qknorm", "qk_layernorm"]
     for r in results["runs"]:
         assert len(r["loss"]) == 4 and [s["update"] for s in r["stats"]] == [0, 2, 4]
-        assert r["command"].startswith("fairseq-train WORK/bin --user-dir $(fairseq-qknorm-user-dir) ")
+        assert r["command"].startswith("fairseq-train $WORK/bin --user-dir $USER_DIR ")
         assert str(tmp_path) not in r["command"]
     qknorm = results["runs"][1]
     assert qknorm["qk_scale_init"] > 0 and qknorm["stats"][-1]["g"]  # g0 from --tokens-per-sample, g recorded
-    assert "--work-dir WORK " in results["command"] and "--train train.tgt " in results["command"]
+    assert "--work-dir $WORK " in results["command"] and "--train train.tgt " in results["command"]
     assert (out / "final_loss_vs_lr.png").stat().st_size > 0 and (out / "max_logit_vs_lr.png").stat().st_size > 0
     assert "| arm | LR sensitivity (bits/token) |" in (out / "tables.md").read_text()
 

@@ -1,6 +1,7 @@
-"""The learning-rate sweep (experiments.lr_sweep): its divergence rule, and one tiny sweep
-through the real command line (3 arms x 2 learning rates x 5 updates): what results.json holds,
-that QKNorm's logits stay within g, the figures, reuse of finished runs, and bad input."""
+"""The learning-rate sweep (experiments.lr_sweep, on the engine experiments.sweep): the divergence
+rule, and one tiny sweep through the real command line (3 arms x 2 learning rates x 5 updates):
+what results.json holds, that QKNorm's logits stay within g, the figures, reuse of finished runs,
+and bad input."""
 
 import json
 import math
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import run
 
-from experiments.lr_sweep import WINDOW, divergence, loss_summary, seed_table
+from experiments.sweep import WINDOW, divergence, loss_summary, seed_table
 from fairseq_qknorm.length_prior import g0_for_length
 
 SWEEP = [sys.executable, "-m", "experiments.lr_sweep"]
@@ -71,7 +72,7 @@ def test_seed_table_gives_each_arm_and_rate_its_mean_range_and_divergences():
         fake_run("stock", 0.01, 1, float("nan"), diverged="non-finite loss at update 3", logit=float("inf")),
         fake_run("stock", 0.01, 2, 5.0),
     ]
-    rows = seed_table(runs).splitlines()[2:]
+    rows = seed_table(runs, ["stock", "qknorm"]).splitlines()[2:]
     assert rows == [
         "| stock | 0.01 | 2 | 5.000 (5.000..5.000) | 1 | 5.00 | 0.100 |",  # the NaN run: counted, not averaged
         "| qknorm | 0.01 | 3 | 3.000 (2.000..4.000) | 1 | 9.00 | 0.100 |",
@@ -86,7 +87,9 @@ def sweep(tmp_path_factory):
 
 
 def test_results_json_records_every_run(sweep):
-    _, _, proc, results = sweep
+    work, _, proc, results = sweep
+    # commands as a reader runs them: the machine's folders as $WORK and $USER_DIR
+    assert results["command"].startswith("python -m experiments.lr_sweep --work-dir $WORK --out-dir ")
     assert {(r["arm"], r["lr"]) for r in results["runs"]} == {
         (arm, lr) for arm in ("stock", "qknorm", "qk_layernorm") for lr in (1e-3, 3e-3)
     }
@@ -95,7 +98,9 @@ def test_results_json_records_every_run(sweep):
         assert r["seed"] == 1 and r["diverged"] is None
         assert len(r["loss"]) == len(r["gnorm"]) == 5
         assert all(math.isfinite(x) and 0 < x < 20 for x in r["loss"]), r["loss"]
-        assert r["command"].startswith("fairseq-train ") and f"--lr {r['lr']!r}" in r["command"]
+        assert r["command"].startswith("fairseq-train $WORK/bin --user-dir $USER_DIR --task translation ")
+        assert f"--lr {r['lr']!r}" in r["command"] and "--save-dir SAVE_DIR" in r["command"]
+        assert str(work) not in r["command"]
         assert [s["update"] for s in r["stats"]] == [0, 2, 4, 5]
         for s in r["stats"]:
             assert list(s["max_logit"]) == MODULES and list(s["min_entropy"]) == MODULES
