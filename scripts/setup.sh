@@ -31,6 +31,16 @@ if [ -n "${PYTHON:-}" ] || [ ! -x "$VENV/bin/python" ]; then
     [ -x "$VENV/bin/python" ] || "$python" -m venv "$VENV"
 fi
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+# pip, after an install, lists every declared requirement that is missing, as an ERROR. ve-fairseq's
+# torchaudio is missing on purpose (below): that line, and pip's heading when nothing else follows
+# it, are dropped; every other line of pip's output, and its exit status, pass through.
+pip_install() {
+    # pip's stdout goes to fd 3 (the terminal), its stderr through the filter; pipefail keeps pip's status.
+    { pip install "$@" 2>&1 >&3 3>&- | awk '
+        /^ERROR: pip.s dependency resolver does not currently take into account/ { heading = $0; next }
+        /^ve-fairseq [^ ]+ requires torchaudio/ { next }
+        { if (heading != "") { print heading; heading = "" } print }' >&2 3>&-; } 3>&1
+}
 
 want=$(cat requirements.txt setup.py scripts/setup.sh | sha1sum | cut -d' ' -f1)
 stamp=$VENV/.fairseq-qknorm-installed
@@ -44,9 +54,8 @@ echo "| setting up $VENV (Python $(version_of "$VENV/bin/python"): torch, $FAIRS
 pip install torch==2.13.0
 # fairseq without its declared dependencies: they name torchaudio, which translation never
 # uses and whose wheel does not load beside torch 2.13. The real needs are in requirements.txt.
-# (pip then reports that ve-fairseq "requires torchaudio, which is not installed": expected.)
 pip install --no-deps "$FAIRSEQ_DIST"
-pip install -r requirements.txt
-pip install --no-deps -e .
+pip_install -r requirements.txt
+pip_install --no-deps -e .
 "$VENV/bin/python" -c "import torch; print('| torch', torch.__version__, 'CUDA', torch.version.cuda)" >&2
 echo "$want" > "$stamp"
