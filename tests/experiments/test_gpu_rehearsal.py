@@ -83,7 +83,9 @@ def rehearsal(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rehearsal")
     python = environment(cache, tmp / "env")
     found = run(
-        [python, "-c", "import importlib.util as u; print(u.find_spec('fairseq'), u.find_spec('fairseq_qknorm'))"]
+        [python, "-c", "import importlib.util as u; print(u.find_spec('fairseq'), u.find_spec('fairseq_qknorm'))"],
+        cwd=tmp,
+        env={"PATH": os.environ["PATH"]},
     )
     assert found.stdout.split() == ["None", "None"], (
         "the rehearsal's environment must hold neither fairseq nor this project"
