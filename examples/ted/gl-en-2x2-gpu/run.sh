@@ -133,11 +133,11 @@ pack() {
 seconds_until() { local s=$(($1 - $(date +%s))); echo $((s > 1 ? s : 1)); }
 
 # one PHASE NORM ATTENTION SEED: one run (a process of its own, under `timeout`): train, translate
-# the test set, record. probe: recorded apart, in PROBE_RECORDS, with the seconds translating and
-# recording took; final: recorded in RECORDS, then packed.
+# the test set, record. probe: recorded apart, in PROBE_RECORDS, with the seconds from the end of
+# training to the record (DIR/end_seconds); final: recorded in RECORDS, then packed.
 one() {
     [ $# -eq 4 ] || die "usage: run.sh one probe|final NORM ATTENTION SEED"
-    local phase=$1 norm=$2 attention=$3 seed=$4 spec arch flags summary start records=$RECORDS
+    local phase=$1 norm=$2 attention=$3 seed=$4 spec arch flags summary records=$RECORDS
     set_preset "$BASE_PRESET"
     spec=$(two_by_two_arm "$norm.$attention")
     IFS=: read -r _ arch flags <<< "$spec"
@@ -160,13 +160,13 @@ one() {
     fi
     # shellcheck disable=SC2086  # flags is a flag list
     train_arm "$dir" "$arch" $flags
-    start=$(date +%s)
     generate_arm "$dir"  # the best checkpoint: the only one this script keeps
     summary=$(python -m experiments.gl_en_2x2 record "$records" --arm-dir "$dir" --norm "$norm" --attention "$attention" \
         --checkpoint checkpoint_best.pt --seed "$seed" --data "$WORK/raw" --preset "$RECORD_PRESET" --commands "$WORK/commands.sh")
     log "recorded: $summary"
-    if [ "$phase" = probe ]; then
-        echo $(($(date +%s) - start)) > "$dir/end_seconds"
+    if [ "$phase" = probe ]; then  # from the end of training (train_arm writes train_seconds then)
+        echo $(($(date +%s) - $(stat -c %Y "$dir/train_seconds"))) > "$dir/end_seconds.tmp"
+        mv "$dir/end_seconds.tmp" "$dir/end_seconds"
     else
         pack
     fi
