@@ -4,9 +4,11 @@
         prints the seeds to run side by side ("1 2 3"): one training process per core, four cells
         a seed, two cores left for the rest
     python -m experiments.gpu_budget size PROBE_DIR... --deadline EPOCH_SECONDS --out BUDGET_JSON
-        reads the probe (every run trained side by side for a few updates, then validated once) and
-        prints "MAX_UPDATE VALID_EPOCHS WARMUP STOP_HOURS": the most whole epochs that every run
-        finishes by --deadline, validated at most --dev-points times; writes what it measured to
+        reads the probe (every run trained side by side for a few updates, validated once, then
+        translated the test set and was recorded) and prints "MAX_UPDATE MAX_EPOCH VALID_EPOCHS
+        WARMUP STOP_HOURS TRAIN_UNTIL": the most whole epochs that every run trains by TRAIN_UNTIL
+        (epoch seconds), validated at most --dev-points times, TRAIN_UNTIL leaving before --deadline
+        the time that translating and recording took in the probe; writes what it measured to
         BUDGET_JSON
     python -m experiments.gpu_budget summary RECORDS --budget BUDGET_JSON --logs LOGS
         prints the 2x2 table of RECORDS/runs.json (mean and sd over seeds) with the budget and whether
@@ -16,11 +18,14 @@ The probe's numbers come from fairseq-train's own log: updates per second (`ups`
 after the first, whose time includes the first batches' setup), updates per epoch (`N / E`), and the
 seconds from `begin validation` to the `valid` line plus the checkpoint's `writing took`. What the
 probe's wall time (DIR/train_seconds) holds beyond those is start-up and shut-down, the same for
-every run whatever its length.
+every run whatever its length. DIR/end_seconds is the time from the end of training to the record:
+the test set translated with a barely trained model, whose hypotheses tend to run to the length
+limit, so an upper bound for the trained ones.
 """
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -49,12 +54,16 @@ def _stamp(line):
 
 def read_probe(run_dir):
     """What one probe run measured: rate (updates/s), updates per epoch, seconds per validation
-    (with its checkpoint), its updates and wall seconds."""
+    (with its checkpoint), its updates and wall seconds, and the seconds from the end of training
+    to the record."""
     log_path = os.path.join(run_dir, "train.log")
     seconds_path = os.path.join(run_dir, "train_seconds")
+    end_path = os.path.join(run_dir, "end_seconds")
     for path in (log_path, seconds_path):
         if not os.path.isfile(path):
             fail(f"{path}: missing (did the probe's fairseq-train finish?)")
+    if not os.path.isfile(end_path):
+        fail(f"{end_path}: missing (was the probe's run translated and recorded?)")
     ups, per_epoch, validations, writes, begin = [], None, [], [], None
     with open(log_path, encoding="utf-8", errors="replace") as f:
         for line in f:
@@ -78,6 +87,8 @@ def read_probe(run_dir):
     updates = parse_train_log(log_path)["updates"]
     with open(seconds_path) as f:
         seconds = int(f.read())
+    with open(end_path) as f:
+        end = int(f.read())
     validation = statistics.mean(validations) + (statistics.mean(writes) if writes else 0.0)
     fixed = max(0.0, seconds - updates / rate - len(validations) * validation)
     return {
@@ -89,6 +100,7 @@ def read_probe(run_dir):
         "updates_per_epoch": per_epoch,
         "validation_seconds": round(validation, 2),
         "fixed_seconds": round(fixed, 1),
+        "end_seconds": end,
     }
 
 
@@ -116,18 +128,24 @@ def size(args):
     per_epoch = min(p["updates_per_epoch"] for p in probes)
     validation = max(p["validation_seconds"] for p in probes)
     fixed = max(p["fixed_seconds"] for p in probes)
+    end = args.end_seconds if args.end_seconds is not None else max(p["end_seconds"] for p in probes)
+    end_reserve = math.ceil(end / args.safety)
+    train_until = math.floor(args.deadline - end_reserve)
     now = time.time()
-    available = args.deadline - now
+    available = train_until - now
     chosen = plan(per_epoch, rate, validation, fixed, available, args.dev_points, args.max_epochs, args.safety)
     if chosen is None:
         fail(
-            f"{available:.0f} s left before the deadline: not enough for one epoch "
-            f"({per_epoch} updates at {rate:.2f}/s, {fixed:.0f} s start-up, {validation:.0f} s per validation)"
+            f"{available:.0f} s left for training: not enough for one epoch ({per_epoch} updates at "
+            f"{rate:.2f}/s, {fixed:.0f} s start-up, {validation:.0f} s per validation; {end_reserve} s "
+            f"kept after it to translate and record)"
         )
     epochs, every = chosen
     updates = epochs * per_epoch
     warmup = max(1, round(args.warmup_share * updates))
-    stop_hours = round(available / 3600, 4)
+    # fairseq's --stop-time-hours counts from its trainer's start, after most of the start-up, and
+    # validates once more when it stops: a safety net that ends training by TRAIN_UNTIL.
+    stop_hours = round(max(available - fixed - validation, available / 2) / 3600, 4)
     budget = {
         "runs_side_by_side": len(probes),
         "probe": probes,
@@ -135,6 +153,8 @@ def size(args):
         "updates_per_epoch": per_epoch,
         "validation_seconds": validation,
         "fixed_seconds": fixed,
+        "end_seconds": end,
+        "end_reserve_seconds": end_reserve,
         "available_seconds": round(available),
         "epochs": epochs,
         "updates": updates,
@@ -143,15 +163,17 @@ def size(args):
         "warmup_updates": warmup,
         "stop_time_hours": stop_hours,
         "estimated_seconds": round(fixed + updates / rate + epochs // every * validation),
+        "train_until": train_until,
     }
     write_text(args.out, json.dumps(budget, indent=1) + "\n")
     print(
         f"| budget: {epochs} epochs ({updates} updates) per run, validated every {every} epoch(s), warm-up "
         f"{warmup}; measured {rate:.2f} updates/s per run with {len(probes)} side by side, {validation:.0f} s per "
-        f"validation, {fixed:.0f} s start-up: about {budget['estimated_seconds']} of {available:.0f} s left",
+        f"validation, {fixed:.0f} s start-up: about {budget['estimated_seconds']} of {available:.0f} s left for "
+        f"training; then {end_reserve} s to translate and record ({end} s in the probe)",
         file=sys.stderr,
     )
-    print(updates, every, warmup, stop_hours)
+    print(updates, epochs, every, warmup, stop_hours, train_until)
 
 
 def run_status(run, logs):
@@ -160,8 +182,8 @@ def run_status(run, logs):
     stopped_by = parse_train_log(log)["stopped_by"] if os.path.isfile(log) else None
     dev = [b for _, _, b in run["dev"]]
     rising = bool(dev) and dev[-1] >= max(dev)
-    if not stopped_by or "max_update" in stopped_by:
-        why = "the update budget (--max-update)"
+    if not stopped_by or "max_update" in stopped_by:  # --max-epoch ends training without a word
+        why = "the budget (--max-epoch, --max-update)"
     elif "learning rate" in stopped_by:
         why = "the paper's stop (the learning rate fell to --stop-min-lr)"
     else:
@@ -182,7 +204,8 @@ def summary(args):
         f"{budget['runs_side_by_side']} runs side by side, validated every {budget['validate_every_epochs']} "
         f"epoch(s); warm-up {budget['warmup_updates']} updates. Measured by the probe: "
         f"{budget['rate_updates_per_second']:.2f} updates/s per run (the slowest cell), "
-        f"{budget['validation_seconds']:.0f} s per validation, {budget['fixed_seconds']:.0f} s start-up.",
+        f"{budget['validation_seconds']:.0f} s per validation, {budget['fixed_seconds']:.0f} s start-up, "
+        f"{budget['end_seconds']:.0f} s from the end of training to the record.",
         "",
         *cell_table(runs),
         "",
@@ -210,6 +233,14 @@ def summary(args):
         f"Stopped by: {'; '.join(reasons)}. Dev BLEU was at its best at the last validation in "
         f"{rising} of {len(runs)} runs" + (" (still rising: not converged)." if rising else "."),
     ]
+    by_budget = [r for r, (why, _) in zip(runs, statuses) if why.startswith("the budget")]
+    short = [r["updates"] for r in by_budget if r["updates"] < budget["updates"]]
+    if short:
+        lines.append(
+            f"{len(short)} of {len(runs)} runs made fewer updates than the budget's {budget['updates']} "
+            f"(at least {min(short)}): fp16 updates skipped for a gradient overflow use a batch without "
+            "counting, so every run trained the budget's epochs."
+        )
     text = "\n".join(lines) + "\n"
     write_text(os.path.join(args.records, "summary.md"), text)
     print(text, end="")
@@ -227,7 +258,14 @@ def main(argv=None):
     s.add_argument("--max-seeds", type=int, default=3)
     z = sub.add_parser("size")
     z.add_argument("probe_dirs", nargs="+", metavar="PROBE_DIR")
-    z.add_argument("--deadline", type=float, required=True, help="epoch seconds by which every run must have trained")
+    z.add_argument(
+        "--deadline", type=float, required=True, help="epoch seconds by which every run must be translated and recorded"
+    )
+    z.add_argument(
+        "--end-seconds",
+        type=int,
+        help="seconds from the end of training to the record (default: the longest the probe measured)",
+    )
     z.add_argument("--out", required=True, help="where to write what was measured and chosen (JSON)")
     z.add_argument("--dev-points", type=int, default=4, help="at most this many validations per run (default 4)")
     z.add_argument("--max-epochs", type=int, help="never more epochs than this")
@@ -245,6 +283,8 @@ def main(argv=None):
     elif args.command == "size":
         if args.dev_points < 1 or (args.max_epochs is not None and args.max_epochs < 1):
             parser.error("--dev-points and --max-epochs: expected positive numbers")
+        if args.end_seconds is not None and args.end_seconds < 0:
+            parser.error("--end-seconds: expected a number of seconds")
         if not 0 < args.warmup_share < 1 or not 0 < args.safety <= 1:
             parser.error("--warmup-share: expected a share between 0 and 1; --safety: between 0 and 1")
         size(args)

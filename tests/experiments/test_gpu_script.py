@@ -1,17 +1,21 @@
-"""The one-call GPU campaign (examples/ted/gl-en-2x2-gpu/run.sh) dry-run at smoke size on the CPU:
-the checks, the probe, the budget sized from it, the four cells trained side by side, translated,
-scored and recorded in the gl-en 2x2 schema, all packed into at most 8 files that the device tool
-returns; and the budget arithmetic on its own. fairseq being importable, nothing is installed."""
+"""The one-call GPU campaign (examples/ted/gl-en-2x2-gpu/run.sh) dry-run at smoke size on the CPU
+(or on a GPU, where there is one): the probe, the budget sized from it, the four cells trained side
+by side, translated, scored and recorded in the gl-en 2x2 schema, the checks after them, all packed
+into a few files; and the budget arithmetic on its own. fairseq being importable, nothing is
+installed (tests/experiments/test_gpu_rehearsal.py runs the call as a bare GPU machine would)."""
 
 import json
+import math
 import os
 import re
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from experiments.gl_en_2x2_records import CELLS
 from experiments.gpu_budget import plan, seeds
@@ -66,11 +70,11 @@ def dry_run(gl_en, tmp_path_factory):
     unpacked = tmp_path_factory.mktemp("unpacked")
     with tarfile.open(out / "gl-en-2x2-gpu.tar.gz") as tar:
         tar.extractall(unpacked, filter="data")
-    return out, unpacked, proc
+    return out, unpacked, proc, work
 
 
 def test_out_holds_what_the_device_tool_returns(dry_run):
-    out, _, _ = dry_run
+    out, _, _, _ = dry_run
     files = sorted(p.name for p in out.iterdir())
     assert all((out / f).is_file() and re.fullmatch(r"[A-Za-z0-9._-]+", f) for f in files) and len(files) <= 8
     assert {
@@ -84,13 +88,16 @@ def test_out_holds_what_the_device_tool_returns(dry_run):
     } <= set(files)
     log = (out / "run.log").read_text()
     assert "checks: mixed-precision tests exit 0" in log and "checks: benchmark exit 0" in log
-    assert "4 of 4 runs recorded" in log
-    # without CUDA the CUDA cases are reported skipped, not passed
-    assert "4 skipped" in (out / "mixed-precision.log").read_text()
+    assert "runs: 4 of 4 recorded" in log
+    # the checks come after the runs, which have the time first
+    assert log.index("runs: 4 of 4 recorded") < log.index("checks: mixed-precision tests exit")
+    # without CUDA the CUDA cases are reported skipped, not passed; with CUDA they pass
+    tests = (out / "mixed-precision.log").read_text()
+    assert ("4 passed" if torch.cuda.is_available() else "4 skipped") in tests, tests[-2000:]
 
 
 def test_every_cell_is_recorded_with_the_campaign_schema_and_the_same_budget(dry_run, gl_en):
-    _, unpacked, _ = dry_run
+    _, unpacked, _, _ = dry_run
     records = unpacked / "records"
     runs = json.loads((records / "runs.json").read_text())
     budget = json.loads((records / "budget.json").read_text())
@@ -100,18 +107,47 @@ def test_every_cell_is_recorded_with_the_campaign_schema_and_the_same_budget(dry
         assert SCHEMA <= set(r), SCHEMA - set(r)
         assert r["updates"] == budget["updates"] == budget["epochs"] * budget["updates_per_epoch"]
         assert len(r["dev"]) == budget["dev_points"]
-        assert r["preset"] == "smoke-gpu" and "--bf16" in r["train_command"]
+        assert (
+            r["preset"] == "smoke-gpu" and ("--fp16" if torch.cuda.is_available() else "--bf16") in r["train_command"]
+        )
         assert f"--max-update {budget['updates']}" in r["train_command"]
+        assert f"--max-epoch {budget['epochs']}" in r["train_command"]
         assert len((records / r["hyp"]).read_text().splitlines()) == n_test
         assert bool(r["g"]) == (r["attention"] == "qknorm")
         name = f"{r['norm']}-{r['attention']}-seed{r['seed']}"
         for log in (f"{name}.train.log", f"{name}.generate.log", f"probe-{name}.train.log"):
             assert (unpacked / "logs" / log).is_file(), log
     assert 1 <= budget["epochs"] <= 2 and budget["runs_side_by_side"] == 4
-    assert all(p["rate"] > 0 and p["updates"] == 4 for p in budget["probe"])
+    assert all(p["rate"] > 0 and p["updates"] == 4 and p["end_seconds"] > 0 for p in budget["probe"])
+    # the time kept to translate and record is the longest the probe took, over the safety share
+    assert budget["end_seconds"] == max(p["end_seconds"] for p in budget["probe"])
+    assert budget["end_reserve_seconds"] >= budget["end_seconds"]
     summary = (records / "summary.md").read_text()
     assert f"{budget['epochs']} epochs ({budget['updates']} updates)" in summary
-    assert "Stopped by: the update budget (--max-update)" in summary
+    assert "Stopped by: the budget (--max-epoch, --max-update)" in summary
+
+
+def test_the_budget_keeps_the_measured_end_before_the_deadline(dry_run, tmp_path):
+    _, _, _, work = dry_run
+    probes = sorted(str(p) for p in (work / "probe").iterdir())
+    measured = max(int((work / "probe" / p / "end_seconds").read_text()) for p in probes)
+    deadline = int(time.time()) + 3600
+    for end in (None, 100):
+        proc = subprocess.run(
+            [sys.executable, "-m", "experiments.gpu_budget", "size", *probes, "--deadline", str(deadline)]
+            + ["--out", str(tmp_path / "b.json"), "--max-epochs", "3"]
+            + (["--end-seconds", str(end)] if end is not None else []),
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
+        assert proc.returncode == 0, proc.stderr
+        updates, epochs, every, _, stop_hours, train_until = proc.stdout.split()
+        budget = json.loads((tmp_path / "b.json").read_text())
+        assert int(train_until) == budget["train_until"] == deadline - math.ceil((end or measured) / 0.9)
+        assert int(epochs) == budget["epochs"] == 3 and int(updates) == 3 * budget["updates_per_epoch"]
+        assert 3 % int(every) == 0
+        assert 0 < float(stop_hours) * 3600 <= int(train_until) - time.time()
 
 
 def test_plan_fits_the_time_and_spaces_the_validations():

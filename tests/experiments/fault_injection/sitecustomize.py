@@ -1,4 +1,5 @@
-"""Fault injection for the interrupted-training checks (tests/experiments/test_interrupt.py, examples/interrupt/run.sh).
+"""Fault injection for the interrupted-training checks (tests/experiments/test_interrupt.py, examples/interrupt/run.sh)
+and the rehearsal of the GPU call (tests/experiments/test_gpu_rehearsal.py).
 
 Put this folder on PYTHONPATH and set FAIRSEQ_KILL_DURING=WHAT:N to have fairseq-train SIGKILL itself
 half-way through its N-th checkpoint write of kind WHAT (counted from 1 in each process):
@@ -7,7 +8,10 @@ half-way through its N-th checkpoint write of kind WHAT (counted from 1 in each 
         checkpoint_best.pt -> checkpoint_last.pt, or -> checkpoint_last.pt.tmp where the copy
         is made atomic)
 Half the bytes reach the file, then the process dies as from `kill -9`: no cleanup, no exception
-handler, no atexit. Any other process, or no variable, is left untouched.
+handler, no atexit. With FAIRSEQ_KILL_ONLY=TEXT as well, only a fairseq-train whose command line
+holds TEXT (one run's --save-dir, say) does so.
+FAIL_MODULE=NAME makes `python -m NAME` exit 1 at its start, before it writes anything.
+Any other process, or no variable, is left untouched.
 """
 
 import os
@@ -69,8 +73,14 @@ def _install(what, nth):
 
 
 _spec = os.environ.get("FAIRSEQ_KILL_DURING")
-if _spec and os.path.basename(sys.argv[0] if sys.argv else "") == "fairseq-train":
+_only = os.environ.get("FAIRSEQ_KILL_ONLY", "")
+if _spec and os.path.basename(sys.argv[0] if sys.argv else "") == "fairseq-train" and _only in " ".join(sys.orig_argv):
     _what, _, _nth = _spec.partition(":")
     if _what not in ("save", "copy") or not _nth.isdigit() or int(_nth) < 1:
         sys.exit(f"error: FAIRSEQ_KILL_DURING={_spec}: expected save:N or copy:N, N >= 1")
     _install(_what, int(_nth))
+
+_module = os.environ.get("FAIL_MODULE")
+if _module and sys.orig_argv[1:3] == ["-m", _module]:
+    print(f"error: {_module}: failure injected by tests/experiments/fault_injection (FAIL_MODULE)", file=sys.stderr)
+    os._exit(1)  # sys.exit here would stop the interpreter's start-up with a fatal error instead
