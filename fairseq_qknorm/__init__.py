@@ -2,7 +2,8 @@
 
 Use as `--user-dir $(fairseq-qknorm-user-dir)` with any fairseq command; it registers the model
 `transformer_qknorm` and its architectures (see architectures.py), and the language model
-`transformer_lm_qknorm` and its architectures (see transformer_lm_qknorm.py).
+`transformer_lm_qknorm` and its architectures (see transformer_lm_qknorm.py), and the learning-rate
+schedulers of the paper's own code, `paper_warmup_flat` and `paper_constant` (paper_lr_schedulers.py).
 """
 
 import os
@@ -23,4 +24,4 @@ from . import fairseq_patches  # noqa: E402
 
 fairseq_patches.install()
 
-from . import architectures, transformer_lm_qknorm, transformer_qknorm  # noqa: E402,F401
+from . import architectures, paper_lr_schedulers, transformer_lm_qknorm, transformer_qknorm  # noqa: E402,F401

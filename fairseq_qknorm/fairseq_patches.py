@@ -17,6 +17,9 @@ when the plugin is imported (which `--user-dir` does); each patch is narrow and 
    copy's device, the zero gradient norm of a skipped update) stay on the CPU while a CPU trainer
    builds its optimizer and takes a step; fairseq's FP16Optimizer, MemoryEfficientFP16Optimizer
    and loss scaler run unchanged. A GPU run never sees it.
+7. Validation scores for LR schedulers: fairseq-train gives a scheduler one score per epoch and no
+   way to end training; a scheduler with `step_validation` (paper_lr_schedulers.py) gets every
+   validation's score and may end training. Installed by those schedulers when built, not here.
 """
 
 import argparse
@@ -284,3 +287,53 @@ def allow_fp16_on_cpu():
 
     Trainer._build_optimizer = build_optimizer
     Trainer.train_step = on_cpu(fairseq_train_step)
+
+
+# ------------------------------------------------------------------ 7. validation scores for LR schedulers
+def _fairseq_train_modules():
+    # fairseq-train runs fairseq_cli.train; `python -m fairseq_cli.train` runs a copy as __main__.
+    import fairseq_cli.train
+
+    yield fairseq_cli.train
+    main = sys.modules.get("__main__")
+    if main is not fairseq_cli.train and getattr(getattr(main, "__spec__", None), "name", None) == "fairseq_cli.train":
+        yield main
+
+
+def give_validation_scores_to_lr_scheduler():
+    # fairseq-train steps its LR scheduler at an epoch's end with the epoch's last validation score,
+    # and only its own stop conditions end training. The paper code decays and may stop after every
+    # validation, which with --validate-interval-updates is several times an epoch. So the scheduler
+    # of a validation's trainer, when it has `step_validation(score)`, gets the score (the first
+    # --valid-subset's --best-checkpoint-metric) as soon as fairseq has it, before the checkpoint of
+    # that validation is saved, and fairseq's should_stop_early, called next, also stops when the
+    # scheduler's `should_stop()` says so. Every rank sees the same score (fairseq reduces the
+    # metrics over ranks), so every rank decays and stops alike. Other schedulers see no change.
+    for module in _fairseq_train_modules():
+        if not getattr(module, "_qknorm_scores_to_lr_scheduler", False):
+            _scores_to_lr_scheduler(module)
+            module._qknorm_scores_to_lr_scheduler = True
+
+
+def _scores_to_lr_scheduler(train):
+    fairseq_validate = train.validate
+    fairseq_should_stop_early = train.should_stop_early
+    scored = []  # the scheduler that got the last validation's score, until should_stop_early asks it
+
+    def validate(cfg, trainer, task, epoch_itr, subsets, *args, **kwargs):
+        valid_losses = fairseq_validate(cfg, trainer, task, epoch_itr, subsets, *args, **kwargs)
+        scheduler = trainer.lr_scheduler
+        if hasattr(scheduler, "step_validation") and valid_losses and valid_losses[0] is not None:
+            scheduler.step_validation(valid_losses[0])
+            scored[:] = [scheduler]
+        return valid_losses
+
+    def should_stop_early(cfg, valid_loss):
+        # fairseq's own keeps its state on `train.should_stop_early`, this function now: it still works
+        stop = fairseq_should_stop_early(cfg, valid_loss)
+        if scored and valid_loss is not None:
+            stop = scored.pop().should_stop() or stop
+        return stop
+
+    train.validate = validate
+    train.should_stop_early = should_stop_early
