@@ -15,8 +15,9 @@ from string import Template
 
 import numpy as np
 
+from experiments.corpus_scores import bleu_score, bleu_statistics
 from experiments.gl_en_2x2_records import CELLS, TGT, read_runs, sha1
-from experiments.gl_en_2x2_report import EFFECTS, SHORT, T975, effects
+from experiments.gl_en_2x2_report import BOOTSTRAP_SEED, EFFECTS, RESAMPLES, SHORT, T975, effects
 from fairseq_qknorm_cli.files import atomic_path, fail, write_text
 from fairseq_qknorm_cli.score import read_lines
 
@@ -24,8 +25,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TEN_EPOCHS = os.path.join(os.path.dirname(HERE), "examples", "ted", "gl-en-2x2")
 TEN_EPOCH_UPDATES = 1400
 PAPER = {("scalenorm", "dot"): 22.01, ("layernorm", "qknorm"): 24.21}
-RESAMPLES = 1000
-BOOTSTRAP_SEED = 12345
 COLORS = {
     ("scalenorm", "dot"): "tab:blue",
     ("scalenorm", "qknorm"): "tab:orange",
@@ -43,24 +42,8 @@ def stopped(run):
 
 
 # ------------------------------------------------------------------ test-set statistics
-def bleu_statistics(hyps, refs):
-    """Per sentence: BLEU's sufficient statistics (4 matches, 4 totals, hypothesis and reference
-    length), as sacrebleu counts them with --tokenize none. Sums of rows give corpus BLEU."""
-    from sacrebleu.metrics import BLEU
-
-    metric = BLEU(tokenize="none", effective_order=True)  # effective_order: sentence scores only
-    rows = []
-    for hyp, ref in zip(hyps, refs, strict=True):
-        s = metric.sentence_score(hyp, [ref])
-        rows.append([*s.counts, *s.totals, s.sys_len, s.ref_len])
-    return np.asarray(rows, dtype=np.int64)
-
-
 def corpus_bleu(stats):
-    from sacrebleu.metrics import BLEU
-
-    total = stats.sum(axis=0).tolist()
-    return BLEU.compute_bleu(total[0:4], total[4:8], total[8], total[9], smooth_method="exp").score
+    return bleu_score(stats.sum(axis=0))
 
 
 def paired_bootstrap(stats, combine):

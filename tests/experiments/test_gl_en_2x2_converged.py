@@ -158,8 +158,9 @@ def test_the_report_reads_the_records(stopped, gl_en_data):
     assert (records / "dev-curves.png").stat().st_size > 10_000
 
 
-def test_bleu_from_sentence_statistics_is_sacrebleus_corpus_bleu():
-    from experiments.gl_en_2x2_converged_report import bleu_statistics, corpus_bleu, paired_bootstrap
+def test_the_paired_bootstrap_of_a_difference():
+    from experiments.corpus_scores import bleu_statistics
+    from experiments.gl_en_2x2_converged_report import corpus_bleu, paired_bootstrap
 
     refs = ["the cat sat on the mat .", "a dog ran in the park", "it is raining today", "we like green tea"]
     hyps = ["the cat is on the mat .", "a dog runs in a park", "it rains today", "we like tea"]
