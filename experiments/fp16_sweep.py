@@ -24,7 +24,6 @@ rerun with the same settings skips the runs there), OUT/loss_scale.png and OUT/m
 and prints the table beside the fp32 sweep's runs of the same arm, rate and seed.
 """
 
-import argparse
 import copy
 import dataclasses
 import json
@@ -45,7 +44,7 @@ DEFAULT_LRS = [0.03, 0.1, 0.3]
 FP16_MAX = 65504.0
 FP32_RESULTS = Path(__file__).resolve().parents[1] / "examples" / "lr_sweep" / "results.json"
 MINIMUM_LOSS_SCALE = "Minimum loss scale reached"
-SWEEP = dataclasses.replace(lr_sweep.SWEEP, name="fp16_sweep")
+SWEEP = dataclasses.replace(lr_sweep.SWEEP, name="fp16_sweep", lrs=DEFAULT_LRS, threads=1)
 
 
 def fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir):
@@ -70,26 +69,12 @@ def train_run(config, bin_dir, work_dir, arm, lr, seed, updates, warmup, stats_i
     """Train one arm at one peak learning rate in fp16; returns its record for results.json (the
     arguments of the engine's sweep.train_run)."""
     import torch
-    from fairseq import options, tasks, utils
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-    from fairseq.logging import metrics
-    from fairseq.trainer import Trainer
 
     log = config.log
 
     with tempfile.TemporaryDirectory(prefix="fp16_sweep_") as save_dir:
         flags = fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir)
-        cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), flags))
-        metrics.reset()
-        utils.set_torch_seed(seed)
-        task = tasks.setup_task(cfg.task)
-        model = task.build_model(cfg.model)
-        criterion = task.build_criterion(cfg.criterion)
-        task.load_dataset("valid")
-        dev = task.dataset("valid")
-        fixed_batch = dev.collater([dev[i] for i in range(min(config.stats_items, len(dev)))])
-        trainer = Trainer(cfg, task, model, criterion)  # casts model to fp16, in place
-        epoch_itr = trainer.get_train_iterator(epoch=1)
+        cfg, task, model, criterion, trainer, epoch_itr, fixed_batch = sweep.build_run(flags, seed, config.stats_items)
 
         # The forward loss of every attempted update, also of one the loss scaler then skips
         # (Trainer.train_step returns None for those).
@@ -317,17 +302,7 @@ def plot_max_logit(runs, fp32, path):
 # Command line
 # ---------------------------------------------------------------------------------------------
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.fp16_sweep",
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    sweep.add_sweep_args(parser, ARMS, DEFAULT_LRS, updates=300, warmup_updates=75, stats_interval=10, threads=1)
-    parser.add_argument("--work-dir", type=Path, required=True, help="data (generated and binarized once)")
-    parser.add_argument("--out-dir", type=Path, required=True, help="results.json and the figures")
-    args = parser.parse_args(argv)
-    sweep.check_sweep_args(parser, args)
-    return args
+    return sweep.parse_args(sweep.argument_parser(SWEEP, __doc__), argv)
 
 
 def main(argv=None):

@@ -27,7 +27,8 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Callable, NamedTuple
 
 from experiments.machine import machine
 from experiments.portable import portable
@@ -51,6 +52,14 @@ class Sweep:
     stats_items: int  # the fixed batch: the first items of the validation split
     # (fixed batch, padding index) -> (where -> the real (query, key) positions of the module at where)
     real_positions: Callable
+    # the command line's defaults, and what --work-dir and --out-dir hold
+    lrs: list
+    updates: int
+    warmup_updates: int
+    stats_interval: int
+    threads: int
+    work_dir_holds: str
+    out_dir_holds: str
 
     def fairseq_flags(self, bin_dir, arm, lr, seed, updates, warmup, save_dir):
         """The fairseq-train flags of one run."""
@@ -166,29 +175,47 @@ def attention_statistics(model, criterion, sample, real_queries_and_keys):
     }
 
 
-def train_run(sweep, bin_dir, work_dir, arm, lr, seed, updates, warmup, stats_interval):
-    """Train one arm at one peak learning rate; returns its record for results.json."""
-    import torch
+class FairseqRun(NamedTuple):
+    cfg: object
+    task: object
+    model: object
+    criterion: object
+    trainer: object
+    epoch_itr: object
+    fixed_batch: dict  # the first stats_items validation items, one batch
+
+
+def build_run(flags, seed, stats_items):
+    """What fairseq-train builds from these flags (task, model, criterion, Trainer, the first
+    epoch's batches), with the fixed batch of the attention statistics."""
     from fairseq import options, tasks, utils
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.logging import metrics
     from fairseq.trainer import Trainer
 
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), flags))
+    metrics.reset()
+    utils.set_torch_seed(seed)
+    task = tasks.setup_task(cfg.task)
+    model = task.build_model(cfg.model)
+    criterion = task.build_criterion(cfg.criterion)
+    task.load_dataset("valid")
+    dev = task.dataset("valid")
+    fixed_batch = dev.collater([dev[i] for i in range(min(stats_items, len(dev)))])
+    trainer = Trainer(cfg, task, model, criterion)  # with --fp16 it casts the model, in place
+    return FairseqRun(cfg, task, model, criterion, trainer, trainer.get_train_iterator(epoch=1), fixed_batch)
+
+
+def train_run(sweep, bin_dir, work_dir, arm, lr, seed, updates, warmup, stats_interval):
+    """Train one arm at one peak learning rate; returns its record for results.json."""
+    import torch
+    from fairseq.logging import metrics
+
     from fairseq_qknorm import USER_DIR
 
     with tempfile.TemporaryDirectory(prefix=f"{sweep.name}_") as save_dir:  # fairseq's crash.pt, if any
         flags = sweep.fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir)
-        cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), flags))
-        metrics.reset()
-        utils.set_torch_seed(seed)
-        task = tasks.setup_task(cfg.task)
-        model = task.build_model(cfg.model)
-        criterion = task.build_criterion(cfg.criterion)
-        task.load_dataset("valid")
-        dev = task.dataset("valid")
-        fixed_batch = dev.collater([dev[i] for i in range(min(sweep.stats_items, len(dev)))])
-        trainer = Trainer(cfg, task, model, criterion)
-        epoch_itr = trainer.get_train_iterator(epoch=1)
+        cfg, _, model, criterion, trainer, epoch_itr, fixed_batch = build_run(flags, seed, sweep.stats_items)
 
         command = "fairseq-train " + shlex.join(flags)
         record = {
@@ -424,32 +451,48 @@ def positive_int(value):
     return n
 
 
-def add_sweep_args(parser, arms, lrs, updates, warmup_updates, stats_interval, threads):
-    """The grid and run flags every sweep takes, with the sweep's defaults."""
-    parser.add_argument("--lrs", nargs="+", type=positive_float, default=lrs, metavar="LR", help="peak learning rates")
+def argument_parser(sweep, doc):
+    """The command line of experiments.NAME: the grid, run and folder flags every sweep takes, with
+    the sweep's defaults; the description is the first line of doc."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m experiments.{sweep.name}",
+        description=doc.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument(
-        "--arms", nargs="+", choices=list(arms), default=list(arms), metavar="ARM", help=f"variants: {', '.join(arms)}"
+        "--lrs", nargs="+", type=positive_float, default=sweep.lrs, metavar="LR", help="peak learning rates"
+    )
+    arms = list(sweep.arms)
+    parser.add_argument(
+        "--arms", nargs="+", choices=arms, default=arms, metavar="ARM", help=f"variants: {', '.join(arms)}"
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[1], metavar="SEED")
-    parser.add_argument("--updates", type=positive_int, default=updates, help="updates per run")
+    parser.add_argument("--updates", type=positive_int, default=sweep.updates, help="updates per run")
     parser.add_argument(
-        "--warmup-updates", type=positive_int, default=warmup_updates, help="linear warm-up of inverse_sqrt"
+        "--warmup-updates", type=positive_int, default=sweep.warmup_updates, help="linear warm-up of inverse_sqrt"
     )
     parser.add_argument(
         "--stats-interval",
         type=positive_int,
-        default=stats_interval,
+        default=sweep.stats_interval,
         help="attention statistics every N updates (and at update 0 and the last)",
     )
-    parser.add_argument("--threads", type=positive_int, default=threads, help="torch CPU threads")
+    parser.add_argument("--threads", type=positive_int, default=sweep.threads, help="torch CPU threads")
+    parser.add_argument("--work-dir", type=Path, required=True, help=sweep.work_dir_holds)
+    parser.add_argument("--out-dir", type=Path, required=True, help=sweep.out_dir_holds)
+    return parser
 
 
-def check_sweep_args(parser, args):
+def parse_args(parser, argv):
+    """parser's arguments, with the errors that argparse cannot see alone as its one-line usage
+    errors."""
+    args = parser.parse_args(argv)
     if args.warmup_updates > args.updates:
         parser.error(f"--warmup-updates {args.warmup_updates} exceeds --updates {args.updates}")
     for flag, path in (("--work-dir", args.work_dir), ("--out-dir", args.out_dir)):
         if path.exists() and not path.is_dir():
             parser.error(f"{flag} {path}: exists and is not a directory")
+    return args
 
 
 def finished_runs(results_path, settings):
