@@ -17,12 +17,14 @@ import json
 import multiprocessing
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from experiments.machine import cpu_name
+from experiments.portable import portable
 from fairseq_qknorm_cli.files import write_text
 
 from . import report
@@ -294,6 +296,22 @@ def git_commit():
     return commit + ("+modified" if git("status", "--porcelain", "fairseq_qknorm") else "")
 
 
+def record_folders(args, src, tgt):
+    """{folder: variable} of the folders a results file names, so that it names none of this
+    machine's: the repository as ".", the text of --lengths-from as $DATA_DIR, and a --results-dir
+    or --markdown outside the repository as $RESULTS_DIR or $MARKDOWN."""
+    folders = {ROOT: "."}
+    src_dir, tgt_dir = os.path.dirname(os.path.abspath(src)), os.path.dirname(os.path.abspath(tgt))
+    if src_dir == tgt_dir:
+        folders[src_dir] = "$DATA_DIR"
+    else:
+        folders.update({src_dir: "$SRC_DIR", tgt_dir: "$TGT_DIR"})
+    for path, name in ((args.results_dir, "$RESULTS_DIR"), (args.markdown, "$MARKDOWN")):
+        if path and not Path(path).resolve().is_relative_to(ROOT):
+            folders[path] = name
+    return folders
+
+
 def update_markdown(path: Path, device: str, table: str):
     """Replace this device's section between its markers; add the section if it is missing."""
     begin, end = f"<!-- BEGIN {device} results (written by benchmarks/run.py) -->", f"<!-- END {device} results -->"
@@ -341,6 +359,8 @@ def main(argv=None):
 
     date = datetime.datetime.now()
     out = Path(args.results_dir) / f"{args.device}{'-quick' if args.quick else ''}-{date:%Y-%m-%d-%H%M}.json"
+    folders = record_folders(args, src, tgt)
+    command = shlex.join(argv if argv is not None else sys.argv[1:])
     meta = {
         "date": date.isoformat(timespec="seconds"),
         "device": args.device,
@@ -352,8 +372,10 @@ def main(argv=None):
         "commit": git_commit(),
         "load_start": os.getloadavg(),
         "note": args.note,
-        "command": "python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "results_file": os.path.relpath(out, ROOT),
+        "command": "python -m benchmarks.run " + portable(command, folders),
+        "results_file": os.path.relpath(out, ROOT)
+        if out.resolve().is_relative_to(ROOT)
+        else portable(str(out), folders),
     }
     job_base = dict(
         device=args.device,
@@ -377,7 +399,7 @@ def main(argv=None):
     if args.device == "cuda":
         first = groups[0]["info"] if "info" in groups[0] else next(iter(groups[0]["arms"].values()))["info"]
         meta["device_name"] = first["device_name"]
-    result = {"meta": meta, "settings": dict(s, lengths_from=args.lengths_from), "groups": groups}
+    result = {"meta": meta, "settings": dict(s, lengths_from=portable(args.lengths_from, folders)), "groups": groups}
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text(out, json.dumps(result, indent=1) + "\n")
     log(f"wrote {out}")

@@ -6,8 +6,9 @@ without bound; fp16's largest number is 65,504.)
     python -m experiments.fp16_sweep --work-dir work/fp16_sweep --out-dir examples/fp16_sweep \\
         [--arms stock qknorm qk_layernorm] [--lrs 0.03 0.1 0.3] [--seeds 1 2] [--updates 300] [--threads 1]
 
-The runs are the fp32 sweep's (experiments.lr_sweep: same model, data, optimizer, schedule, no
-gradient clipping, same seeds), with `--fp16` added: fairseq's FP16Optimizer (fp16 model, fp32
+The runs are the fp32 sweep's (experiments.lr_sweep, a configuration of the sweep engine
+experiments/sweep.py: same model, data, optimizer, schedule, no gradient clipping, same seeds), with
+`--fp16` added, and their own training loop: fairseq's FP16Optimizer (fp16 model, fp32
 master weights) and its dynamic loss scaler at fairseq's defaults (initial scale 128, halved on
 every overflow, the update skipped; minimum 1e-4). On a machine without CUDA the plugin lets
 fairseq run this on the CPU (fairseq_qknorm/fairseq_patches.py, "--fp16 on the CPU").
@@ -23,17 +24,16 @@ rerun with the same settings skips the runs there), OUT/loss_scale.png and OUT/m
 and prints the table beside the fp32 sweep's runs of the same arm, rate and seed.
 """
 
-import argparse
 import copy
+import dataclasses
 import json
 import math
 import shlex
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from experiments import lr_sweep
+from experiments import lr_sweep, sweep
 from fairseq_qknorm import USER_DIR
 from fairseq_qknorm_cli.files import atomic_path
 
@@ -44,11 +44,12 @@ DEFAULT_LRS = [0.03, 0.1, 0.3]
 FP16_MAX = 65504.0
 FP32_RESULTS = Path(__file__).resolve().parents[1] / "examples" / "lr_sweep" / "results.json"
 MINIMUM_LOSS_SCALE = "Minimum loss scale reached"
+SWEEP = dataclasses.replace(lr_sweep.SWEEP, name="fp16_sweep", lrs=DEFAULT_LRS, threads=1)
 
 
 def fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir):
     """The fp32 sweep's fairseq-train flags of this run, with --fp16."""
-    return [*lr_sweep.fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir), "--fp16"]
+    return [*SWEEP.fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir), "--fp16"]
 
 
 def snapshot(model, criterion, sample):
@@ -56,7 +57,7 @@ def snapshot(model, criterion, sample):
     (bits per token) of the fp16 model itself on the same batch (None when not finite)."""
     import torch
 
-    stats = lr_sweep.attention_snapshot(copy.deepcopy(model).float(), criterion, sample)
+    stats = SWEEP.attention_snapshot(copy.deepcopy(model).float(), criterion, sample)
     model.eval()
     with torch.no_grad():
         loss, sample_size, _ = criterion(model, sample)
@@ -64,27 +65,16 @@ def snapshot(model, criterion, sample):
     return {**stats, "fp16_loss": loss if math.isfinite(loss) else None}
 
 
-def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
-    """Train one arm at one peak learning rate in fp16; returns its record for results.json."""
+def train_run(config, bin_dir, work_dir, arm, lr, seed, updates, warmup, stats_interval):
+    """Train one arm at one peak learning rate in fp16; returns its record for results.json (the
+    arguments of the engine's sweep.train_run)."""
     import torch
-    from fairseq import options, tasks, utils
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-    from fairseq.logging import metrics
-    from fairseq.trainer import Trainer
+
+    log = config.log
 
     with tempfile.TemporaryDirectory(prefix="fp16_sweep_") as save_dir:
         flags = fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir)
-        cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), flags))
-        metrics.reset()
-        utils.set_torch_seed(seed)
-        task = tasks.setup_task(cfg.task)
-        model = task.build_model(cfg.model)
-        criterion = task.build_criterion(cfg.criterion)
-        task.load_dataset("valid")
-        dev = task.dataset("valid")
-        fixed_batch = dev.collater([dev[i] for i in range(min(lr_sweep.STATS_SENTENCES, len(dev)))])
-        trainer = Trainer(cfg, task, model, criterion)  # casts model to fp16, in place
-        epoch_itr = trainer.get_train_iterator(epoch=1)
+        cfg, task, model, criterion, trainer, epoch_itr, fixed_batch = sweep.build_run(flags, seed, config.stats_items)
 
         # The forward loss of every attempted update, also of one the loss scaler then skips
         # (Trainer.train_step returns None for those).
@@ -158,7 +148,7 @@ def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
         if record["outcome"] != "finished":
             log(f"{arm} lr {lr:g} seed {seed} | stopped at update {record['stopped_at_update']}: {record['error']}")
         record["final_loss_scale"] = float(scaler.loss_scale)
-        record["max_logit"] = max(lr_sweep._finite(v for s in record["stats"] for v in s["max_logit"].values()))
+        record["max_logit"] = max(sweep.finite(v for s in record["stats"] for v in s["max_logit"].values()))
         record["seconds"] = round(time.time() - start, 1)
         record["torch_threads"] = torch.get_num_threads()
     return record
@@ -170,8 +160,8 @@ def progress_line(record):
     return (
         f"{record['arm']} lr {record['lr']:g} seed {record['seed']} | update {s['update']} | "
         f"attempts {len(record['applied'])} ({skipped} skipped) | loss scale {record['loss_scale'][-1]:g} | "
-        f"loss {lr_sweep._fmt(record['loss'][-1], '.3f')} | fp16 fixed-batch loss {lr_sweep._fmt(s['fp16_loss'], '.3f')} | "
-        f"max logit {lr_sweep._fmt(max(s['max_logit'].values()), '.2f')}"
+        f"loss {sweep.fmt(record['loss'][-1], '.3f')} | fp16 fixed-batch loss {sweep.fmt(s['fp16_loss'], '.3f')} | "
+        f"max logit {sweep.fmt(max(s['max_logit'].values()), '.2f')}"
     )
 
 
@@ -185,7 +175,7 @@ def applied_losses(run):
 def summarize(run):
     """One table row."""
     losses = applied_losses(run)
-    window = lr_sweep.WINDOW
+    window = sweep.WINDOW
     final = sum(losses[-window:]) / window if run["outcome"] == "finished" and len(losses) >= window else math.nan
     return {
         "arm": run["arm"],
@@ -201,7 +191,7 @@ def summarize(run):
         "max_logit": run["max_logit"],
         # the first update whose snapshot saw a logit past fp16's range (float32 copy)
         "past_fp16_at": next(
-            (s["update"] for s in run["stats"] if max(lr_sweep._finite(s["max_logit"].values()), default=0) > FP16_MAX),
+            (s["update"] for s in run["stats"] if max(sweep.finite(s["max_logit"].values()), default=0) > FP16_MAX),
             None,
         ),
     }
@@ -212,7 +202,7 @@ def fp32_runs(path=FP32_RESULTS):
     if not path.exists():
         return {}, None
     data = json.loads(path.read_text(encoding="utf-8"))
-    return {(r["arm"], r["lr"], r["seed"]): lr_sweep.summarize(r) for r in data["runs"]}, data["settings"]
+    return {(r["arm"], r["lr"], r["seed"]): sweep.summarize(r) for r in data["runs"]}, data["settings"]
 
 
 def markdown_table(runs, fp32):
@@ -224,14 +214,12 @@ def markdown_table(runs, fp32):
     for row in sorted((summarize(r) for r in runs), key=lambda r: (list(ARMS).index(r["arm"]), r["lr"], r["seed"])):
         ref = fp32.get((row["arm"], row["lr"], row["seed"]))
         outcome = row["outcome"] + (f" at update {row['stopped_at_update']}" if row["stopped_at_update"] else "")
-        fp32_final = (
-            "-" if ref is None else lr_sweep._fmt(ref["final"], ".3f") + (" (diverged)" if ref["diverged"] else "")
-        )
+        fp32_final = "-" if ref is None else sweep.fmt(ref["final"], ".3f") + (" (diverged)" if ref["diverged"] else "")
         lines.append(
             f"| {row['arm']} | {row['lr']:g} | {row['seed']} | {outcome} | {row['updates']} | {row['skipped']} | "
-            f"{row['first_scale']:g} -> {row['final_scale']:g} | {lr_sweep._fmt(row['final'], '.3f')} | "
-            f"{lr_sweep._fmt(row['max_logit'], '.1f')} | {row['past_fp16_at'] if row['past_fp16_at'] is not None else '-'} | "
-            f"{fp32_final} | {'-' if ref is None else lr_sweep._fmt(ref['max_logit'], '.1f')} |"
+            f"{row['first_scale']:g} -> {row['final_scale']:g} | {sweep.fmt(row['final'], '.3f')} | "
+            f"{sweep.fmt(row['max_logit'], '.1f')} | {row['past_fp16_at'] if row['past_fp16_at'] is not None else '-'} | "
+            f"{fp32_final} | {'-' if ref is None else sweep.fmt(ref['max_logit'], '.1f')} |"
         )
     return "\n".join(lines)
 
@@ -314,17 +302,7 @@ def plot_max_logit(runs, fp32, path):
 # Command line
 # ---------------------------------------------------------------------------------------------
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.fp16_sweep",
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    lr_sweep.add_sweep_args(parser, ARMS, DEFAULT_LRS, updates=300, warmup_updates=75, stats_interval=10, threads=1)
-    parser.add_argument("--work-dir", type=Path, required=True, help="data (generated and binarized once)")
-    parser.add_argument("--out-dir", type=Path, required=True, help="results.json and the figures")
-    args = parser.parse_args(argv)
-    lr_sweep.check_sweep_args(parser, args)
-    return args
+    return sweep.parse_args(sweep.argument_parser(SWEEP, __doc__), argv)
 
 
 def main(argv=None):
@@ -337,21 +315,18 @@ def main(argv=None):
         "stats_sentences": lr_sweep.STATS_SENTENCES,
         "precision": "--fp16",
     }
-    command = "python -m experiments.fp16_sweep " + shlex.join(sys.argv[1:] if argv is None else argv)
-    runs, log = lr_sweep.run_sweep(
-        "fp16_sweep", args, settings, command, lambda: lr_sweep.prepare_data(args.work_dir), train_run
-    )
+    runs = sweep.run_sweep(SWEEP, args, argv, settings, lambda: lr_sweep.prepare_data(args.work_dir), train=train_run)
     fp32, fp32_settings = fp32_runs()
     same = fp32_settings is not None and all(fp32_settings.get(k) == v for k, v in settings.items() if k != "precision")
     run_length = ("updates", "warmup_updates", "stats_interval")
     same = same and all(fp32_settings[k] == getattr(args, k) for k in run_length)
     if not same:
-        log(f"{FP32_RESULTS} ran other settings: no fp32 runs beside these")
+        SWEEP.log(f"{FP32_RESULTS} ran other settings: no fp32 runs beside these")
         fp32 = {}
     plot_loss_scale(runs, args.out_dir / "loss_scale.png")
     plot_max_logit(runs, fp32, args.out_dir / "max_logit_vs_lr.png")
     print(markdown_table(runs, fp32))
-    log(
+    SWEEP.log(
         f"wrote {args.out_dir / 'results.json'}, {args.out_dir / 'loss_scale.png'}, {args.out_dir / 'max_logit_vs_lr.png'}"
     )
 

@@ -17,6 +17,7 @@ import os
 import re
 from contextlib import contextmanager
 
+from experiments.portable import portable
 from fairseq_qknorm_cli.files import fail, write_text
 
 CELLS = (("scalenorm", "dot"), ("scalenorm", "qknorm"), ("layernorm", "dot"), ("layernorm", "qknorm"))
@@ -83,7 +84,7 @@ def portable_command(command, arm_dir):
     if command is None:
         return None
     work = os.path.dirname(os.path.dirname(os.path.abspath(arm_dir)))
-    return re.sub(r"--user-dir \S+", "--user-dir $USER_DIR", command).replace(work, "$WORK")
+    return portable(re.sub(r"--user-dir \S+", "--user-dir $USER_DIR", command), {work: "$WORK"})
 
 
 def scored_dev(dev, checkpoint):

@@ -17,7 +17,6 @@ min(final loss, loss at initialization) minus the best final loss of the arm. Re
 already in OUT/results.json, it trains nothing and writes the figures and tables again.
 """
 
-import argparse
 import functools
 import math
 import os
@@ -69,7 +68,6 @@ ARMS = {
     ],
     "qk_layernorm": ["--arch", "transformer_lm_qknorm", "--qk-norm", "layernorm", "--qk-scale", "none"],
 }
-DEFAULT_LRS = [3e-3, 1e-2, 3e-2, 1e-1, 3e-1]
 TOKENS_PER_SAMPLE = 64
 MAX_TOKENS = 1024  # 16 blocks per update
 STATS_BLOCKS = 16  # the fixed batch: the first validation blocks
@@ -135,6 +133,13 @@ SWEEP = sweep.Sweep(
     max_tokens=MAX_TOKENS,
     stats_items=STATS_BLOCKS,
     real_positions=real_positions,
+    lrs=[3e-3, 1e-2, 3e-2, 1e-1, 3e-1],
+    updates=100,
+    warmup_updates=25,
+    stats_interval=20,
+    threads=1,
+    work_dir_holds="the binarized text (made once)",
+    out_dir_holds="results.json, the figures and the tables",
 )
 
 
@@ -181,11 +186,7 @@ def _text_files(value):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        prog="python -m experiments.lm_sweep",
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = sweep.argument_parser(SWEEP, __doc__)
     p.add_argument(
         "--train",
         nargs="+",
@@ -202,16 +203,12 @@ def parse_args(argv=None):
         help="validation text: the fixed batch of the attention statistics (default: $LM_SWEEP_VALID)",
     )
     p.add_argument("--vocab-size", type=sweep.positive_int, default=4000, help="sentencepiece BPE vocabulary")
-    sweep.add_sweep_args(p, ARMS, DEFAULT_LRS, updates=100, warmup_updates=25, stats_interval=20, threads=1)
-    p.add_argument("--work-dir", type=Path, required=True, help="the binarized text (made once)")
-    p.add_argument("--out-dir", type=Path, required=True, help="results.json, the figures and the tables")
-    args = p.parse_args(argv)
+    args = sweep.parse_args(p, argv)
     if not args.train or not args.valid:
         p.error("--train and --valid (or $LM_SWEEP_TRAIN and $LM_SWEEP_VALID) are needed")
     for path in [*args.train, args.valid]:
         if not path.is_file():
             p.error(f"{path}: no such text file")
-    sweep.check_sweep_args(p, args)
     return args
 
 

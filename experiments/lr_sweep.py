@@ -14,7 +14,6 @@ prints the table. Rerun with every run already in OUT/results.json, it trains no
 the figures and the table again.
 """
 
-import argparse
 import os
 import shlex
 import shutil
@@ -56,7 +55,6 @@ ARMS = {
     "qknorm": ["--arch", "transformer_qknorm", "--qk-norm", "l2", "--qk-scale", "learned", "--qk-scale-init", "auto"],
     "qk_layernorm": ["--arch", "transformer_qknorm", "--qk-norm", "layernorm", "--qk-scale", "none"],
 }
-DEFAULT_LRS = [3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1]
 MAX_TOKENS = 1024
 CORPUS = {"train": 4000, "dev": 200, "seed": 1}  # the generated toy corpus, word level (no subwords)
 STATS_SENTENCES = 32  # the fixed batch: the first dev sentences
@@ -118,21 +116,18 @@ SWEEP = sweep.Sweep(
     max_tokens=MAX_TOKENS,
     stats_items=STATS_SENTENCES,
     real_positions=real_positions,
+    lrs=[3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1],
+    updates=300,
+    warmup_updates=75,
+    stats_interval=10,
+    threads=2,
+    work_dir_holds="data (generated and binarized once)",
+    out_dir_holds="results.json and the figures",
 )
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.lr_sweep",
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    sweep.add_sweep_args(parser, ARMS, DEFAULT_LRS, updates=300, warmup_updates=75, stats_interval=10, threads=2)
-    parser.add_argument("--work-dir", type=Path, required=True, help="data (generated and binarized once)")
-    parser.add_argument("--out-dir", type=Path, required=True, help="results.json and the figures")
-    args = parser.parse_args(argv)
-    sweep.check_sweep_args(parser, args)
-    return args
+    return sweep.parse_args(sweep.argument_parser(SWEEP, __doc__), argv)
 
 
 def main(argv=None):

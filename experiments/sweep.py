@@ -27,7 +27,8 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Callable, NamedTuple
 
 from experiments.machine import machine
 from experiments.portable import portable
@@ -51,6 +52,14 @@ class Sweep:
     stats_items: int  # the fixed batch: the first items of the validation split
     # (fixed batch, padding index) -> (where -> the real (query, key) positions of the module at where)
     real_positions: Callable
+    # the command line's defaults, and what --work-dir and --out-dir hold
+    lrs: list
+    updates: int
+    warmup_updates: int
+    stats_interval: int
+    threads: int
+    work_dir_holds: str
+    out_dir_holds: str
 
     def fairseq_flags(self, bin_dir, arm, lr, seed, updates, warmup, save_dir):
         """The fairseq-train flags of one run."""
@@ -65,6 +74,10 @@ class Sweep:
             *self.model,
             *training_flags(lr, seed, updates, warmup, save_dir, self.criterion, self.max_tokens),
         ]
+
+    def attention_snapshot(self, model, criterion, sample):
+        """attention_statistics of the model on the fixed batch `sample`."""
+        return attention_statistics(model, criterion, sample, self.real_positions(sample, criterion.padding_idx))
 
     def log(self, message):
         print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} | INFO | {self.name} | {message}", flush=True)
@@ -113,16 +126,16 @@ def divergence(losses, window=WINDOW):
 
 def loss_summary(losses, window=WINDOW):
     """start, final, best: means over `window` updates (first, last, lowest); NaN when undefined."""
-    finite = []
+    before_non_finite = []
     for loss in losses:
         if loss is None or not math.isfinite(loss):
             break
-        finite.append(loss)
-    means = window_means(finite, window)
+        before_non_finite.append(loss)
+    means = window_means(before_non_finite, window)
     nan = float("nan")
     return {
-        "start": sum(finite[:window]) / len(finite[:window]) if finite else nan,
-        "final": means[-1] if finite and len(finite) == len(losses) else nan,
+        "start": sum(before_non_finite[:window]) / len(before_non_finite[:window]) if before_non_finite else nan,
+        "final": means[-1] if before_non_finite and len(before_non_finite) == len(losses) else nan,
         "best": min(means[window - 1 :] or means) if means else nan,
     }
 
@@ -162,30 +175,47 @@ def attention_statistics(model, criterion, sample, real_queries_and_keys):
     }
 
 
-def train_run(sweep, bin_dir, work_dir, arm, lr, seed, updates, warmup, stats_interval):
-    """Train one arm at one peak learning rate; returns its record for results.json."""
-    import torch
+class FairseqRun(NamedTuple):
+    cfg: object
+    task: object
+    model: object
+    criterion: object
+    trainer: object
+    epoch_itr: object
+    fixed_batch: dict  # the first stats_items validation items, one batch
+
+
+def build_run(flags, seed, stats_items):
+    """What fairseq-train builds from these flags (task, model, criterion, Trainer, the first
+    epoch's batches), with the fixed batch of the attention statistics."""
     from fairseq import options, tasks, utils
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.logging import metrics
     from fairseq.trainer import Trainer
 
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), flags))
+    metrics.reset()
+    utils.set_torch_seed(seed)
+    task = tasks.setup_task(cfg.task)
+    model = task.build_model(cfg.model)
+    criterion = task.build_criterion(cfg.criterion)
+    task.load_dataset("valid")
+    dev = task.dataset("valid")
+    fixed_batch = dev.collater([dev[i] for i in range(min(stats_items, len(dev)))])
+    trainer = Trainer(cfg, task, model, criterion)  # with --fp16 it casts the model, in place
+    return FairseqRun(cfg, task, model, criterion, trainer, trainer.get_train_iterator(epoch=1), fixed_batch)
+
+
+def train_run(sweep, bin_dir, work_dir, arm, lr, seed, updates, warmup, stats_interval):
+    """Train one arm at one peak learning rate; returns its record for results.json."""
+    import torch
+    from fairseq.logging import metrics
+
     from fairseq_qknorm import USER_DIR
 
     with tempfile.TemporaryDirectory(prefix=f"{sweep.name}_") as save_dir:  # fairseq's crash.pt, if any
         flags = sweep.fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir)
-        cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), flags))
-        metrics.reset()
-        utils.set_torch_seed(seed)
-        task = tasks.setup_task(cfg.task)
-        model = task.build_model(cfg.model)
-        criterion = task.build_criterion(cfg.criterion)
-        task.load_dataset("valid")
-        dev = task.dataset("valid")
-        fixed_batch = dev.collater([dev[i] for i in range(min(sweep.stats_items, len(dev)))])
-        real_queries_and_keys = sweep.real_positions(fixed_batch, criterion.padding_idx)
-        trainer = Trainer(cfg, task, model, criterion)
-        epoch_itr = trainer.get_train_iterator(epoch=1)
+        cfg, _, model, criterion, trainer, epoch_itr, fixed_batch = build_run(flags, seed, sweep.stats_items)
 
         command = "fairseq-train " + shlex.join(flags)
         record = {
@@ -203,8 +233,9 @@ def train_run(sweep, bin_dir, work_dir, arm, lr, seed, updates, warmup, stats_in
         }
 
         def snapshot():
-            statistics = attention_statistics(model, criterion, fixed_batch, real_queries_and_keys)
-            record["stats"].append({"update": len(record["loss"]), **statistics})
+            record["stats"].append(
+                {"update": len(record["loss"]), **sweep.attention_snapshot(model, criterion, fixed_batch)}
+            )
 
         start = time.time()
         snapshot()
@@ -241,15 +272,15 @@ def progress_line(record):
     s, loss, gnorm = record["stats"][-1], record["loss"][-1], record["gnorm"][-1]
     line = (
         f"{record['arm']} lr {record['lr']:g} seed {record['seed']} | update {s['update']} | "
-        f"loss {_fmt(loss, '.3f')} | gnorm {_fmt(gnorm, '.3f')} | fixed-batch loss {_fmt(s['loss'], '.3f')} | "
-        f"max logit {_fmt(max(s['max_logit'].values()), '.2f')} | min entropy {_fmt(min(s['min_entropy'].values()), '.3f')}"
+        f"loss {fmt(loss, '.3f')} | gnorm {fmt(gnorm, '.3f')} | fixed-batch loss {fmt(s['loss'], '.3f')} | "
+        f"max logit {fmt(max(s['max_logit'].values()), '.2f')} | min entropy {fmt(min(s['min_entropy'].values()), '.3f')}"
     )
     if s["g"]:
-        line += f" | g {_fmt(min(s['g'].values()), '.3f')}..{_fmt(max(s['g'].values()), '.3f')}"
+        line += f" | g {fmt(min(s['g'].values()), '.3f')}..{fmt(max(s['g'].values()), '.3f')}"
     return line
 
 
-def _fmt(x, spec):
+def fmt(x, spec):
     return "nan" if x is None or not math.isfinite(x) else format(x, spec)
 
 
@@ -267,13 +298,13 @@ def summarize(run):
         "updates": len(run["loss"]),
         **losses,
         "diverged": run["diverged"],
-        "max_logit": max(_finite(v for s in stats for v in s["max_logit"].values()), default=math.nan),
-        "min_entropy": min(_finite(v for s in stats for v in s["min_entropy"].values()), default=math.nan),
-        "g_final": sorted(_finite(stats[-1]["g"].values())) or None,
+        "max_logit": max(finite(v for s in stats for v in s["max_logit"].values()), default=math.nan),
+        "min_entropy": min(finite(v for s in stats for v in s["min_entropy"].values()), default=math.nan),
+        "g_final": sorted(finite(stats[-1]["g"].values())) or None,
     }
 
 
-def _finite(values):
+def finite(values):
     """The finite numbers among values (results.json stores NaN and infinities as null)."""
     return [v for v in values if v is not None and math.isfinite(v)]
 
@@ -288,9 +319,9 @@ def markdown_table(runs, arms):
     for row in sorted((summarize(r) for r in runs), key=lambda r: (list(arms).index(r["arm"]), r["lr"], r["seed"])):
         g = f"{row['g_final'][0]:.2f}..{row['g_final'][-1]:.2f}" if row["g_final"] else "-"
         lines.append(
-            f"| {row['arm']} | {row['lr']:g} | {row['seed']} | {row['updates']} | {_fmt(row['start'], '.3f')} | "
-            f"{_fmt(row['final'], '.3f')} | {_fmt(row['best'], '.3f')} | {'yes' if row['diverged'] else 'no'} | "
-            f"{_fmt(row['max_logit'], '.2f')} | {_fmt(row['min_entropy'], '.3f')} | {g} |"
+            f"| {row['arm']} | {row['lr']:g} | {row['seed']} | {row['updates']} | {fmt(row['start'], '.3f')} | "
+            f"{fmt(row['final'], '.3f')} | {fmt(row['best'], '.3f')} | {'yes' if row['diverged'] else 'no'} | "
+            f"{fmt(row['max_logit'], '.2f')} | {fmt(row['min_entropy'], '.3f')} | {g} |"
         )
     return "\n".join(lines)
 
@@ -307,12 +338,12 @@ def seed_table(runs, arms):
     for arm in arms:
         for lr in sorted({r["lr"] for r in rows if r["arm"] == arm}):
             group = [r for r in rows if r["arm"] == arm and r["lr"] == lr]
-            final = _finite(r["final"] for r in group)
+            final = finite(r["final"] for r in group)
             loss = f"{sum(final) / len(final):.3f} ({min(final):.3f}..{max(final):.3f})" if final else "nan"
             lines.append(
                 f"| {arm} | {lr:g} | {len(group)} | {loss} | {sum(bool(r['diverged']) for r in group)} | "
-                f"{_fmt(max(_finite(r['max_logit'] for r in group), default=math.nan), '.2f')} | "
-                f"{_fmt(min(_finite(r['min_entropy'] for r in group), default=math.nan), '.3f')} |"
+                f"{fmt(max(finite(r['max_logit'] for r in group), default=math.nan), '.2f')} | "
+                f"{fmt(min(finite(r['min_entropy'] for r in group), default=math.nan), '.3f')} |"
             )
     return "\n".join(lines)
 
@@ -329,15 +360,15 @@ def plot_against_lr(runs, arms, path, value, ylabel, title, log_y=False):
     fig = Figure(figsize=(7.5, 4.8), dpi=100, layout="constrained")
     ax = fig.add_subplot()
     rows = [summarize(r) for r in runs]
-    finite = _finite(value(r) for r in rows)
-    top = max(finite) * (1.3 if log_y else 1.05) if finite else 1.0
+    values = finite(value(r) for r in rows)
+    top = max(values) * (1.3 if log_y else 1.05) if values else 1.0
     for i, arm in enumerate(a for a in arms if any(r["arm"] == a for r in rows)):
         color = f"C{i}"
         lrs = sorted({r["lr"] for r in rows if r["arm"] == arm})
         ys, lo, hi, x_div, y_div = [], [], [], [], []
         for lr in lrs:
             vals = [value(r) for r in rows if r["arm"] == arm and r["lr"] == lr]
-            ok = _finite(vals)
+            ok = finite(vals)
             ys.append(sum(ok) / len(ok) if ok else top)
             lo.append(min(ok, default=top))
             hi.append(max(ok, default=top))
@@ -420,32 +451,48 @@ def positive_int(value):
     return n
 
 
-def add_sweep_args(parser, arms, lrs, updates, warmup_updates, stats_interval, threads):
-    """The grid and run flags every sweep takes, with the sweep's defaults."""
-    parser.add_argument("--lrs", nargs="+", type=positive_float, default=lrs, metavar="LR", help="peak learning rates")
+def argument_parser(sweep, doc):
+    """The command line of experiments.NAME: the grid, run and folder flags every sweep takes, with
+    the sweep's defaults; the description is the first line of doc."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m experiments.{sweep.name}",
+        description=doc.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument(
-        "--arms", nargs="+", choices=list(arms), default=list(arms), metavar="ARM", help=f"variants: {', '.join(arms)}"
+        "--lrs", nargs="+", type=positive_float, default=sweep.lrs, metavar="LR", help="peak learning rates"
+    )
+    arms = list(sweep.arms)
+    parser.add_argument(
+        "--arms", nargs="+", choices=arms, default=arms, metavar="ARM", help=f"variants: {', '.join(arms)}"
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[1], metavar="SEED")
-    parser.add_argument("--updates", type=positive_int, default=updates, help="updates per run")
+    parser.add_argument("--updates", type=positive_int, default=sweep.updates, help="updates per run")
     parser.add_argument(
-        "--warmup-updates", type=positive_int, default=warmup_updates, help="linear warm-up of inverse_sqrt"
+        "--warmup-updates", type=positive_int, default=sweep.warmup_updates, help="linear warm-up of inverse_sqrt"
     )
     parser.add_argument(
         "--stats-interval",
         type=positive_int,
-        default=stats_interval,
+        default=sweep.stats_interval,
         help="attention statistics every N updates (and at update 0 and the last)",
     )
-    parser.add_argument("--threads", type=positive_int, default=threads, help="torch CPU threads")
+    parser.add_argument("--threads", type=positive_int, default=sweep.threads, help="torch CPU threads")
+    parser.add_argument("--work-dir", type=Path, required=True, help=sweep.work_dir_holds)
+    parser.add_argument("--out-dir", type=Path, required=True, help=sweep.out_dir_holds)
+    return parser
 
 
-def check_sweep_args(parser, args):
+def parse_args(parser, argv):
+    """parser's arguments, with the errors that argparse cannot see alone as its one-line usage
+    errors."""
+    args = parser.parse_args(argv)
     if args.warmup_updates > args.updates:
         parser.error(f"--warmup-updates {args.warmup_updates} exceeds --updates {args.updates}")
     for flag, path in (("--work-dir", args.work_dir), ("--out-dir", args.out_dir)):
         if path.exists() and not path.is_dir():
             parser.error(f"{flag} {path}: exists and is not a directory")
+    return args
 
 
 def finished_runs(results_path, settings):
@@ -465,12 +512,13 @@ def finished_runs(results_path, settings):
     return old["runs"]
 
 
-def run_sweep(sweep, args, argv, settings, prepare, named_paths=None):
+def run_sweep(sweep, args, argv, settings, prepare, named_paths=None, train=train_run):
     """Train every (seed, arm, learning rate) of args not yet in OUT/results.json, saving it after
     each run so that a stopped sweep continues where it stopped; returns all runs. settings: what
     else makes runs comparable (the model, the data); prepare() makes the binarized data and returns
     its folder; argv: the sweep's command line, recorded with --work-dir as $WORK and each path of
-    named_paths ({path: name}) as its name."""
+    named_paths ({path: name}) as its name; train: train_run, or a sweep's own training loop with
+    train_run's arguments."""
     settings = {
         "updates": args.updates,
         "warmup_updates": args.warmup_updates,
@@ -517,7 +565,7 @@ def run_sweep(sweep, args, argv, settings, prepare, named_paths=None):
                 if any(r["arm"] == arm and r["lr"] == lr and r["seed"] == seed for r in runs):
                     continue
                 runs.append(
-                    train_run(
+                    train(
                         sweep,
                         bin_dir,
                         args.work_dir,

@@ -52,6 +52,18 @@ def quick(corpus, tmp_path_factory):
     return json.loads(results.read_text()), results, md
 
 
+def test_results_name_no_folder_of_the_machine(quick, tmp_path_factory):
+    result, results, _ = quick
+    meta = result["meta"]
+    assert (
+        "--lengths-from $DATA_DIR/c.src,$DATA_DIR/c.tgt --results-dir $RESULTS_DIR --markdown $MARKDOWN"
+        in (meta["command"])
+    )
+    assert result["settings"]["lengths_from"] == "$DATA_DIR/c.src,$DATA_DIR/c.tgt"
+    assert meta["results_file"] == f"$RESULTS_DIR/{results.name}"
+    assert str(tmp_path_factory.getbasetemp()) not in results.read_text()
+
+
 def test_quick_run_measures_every_arm(quick):
     result, _, _ = quick
     groups = {}
