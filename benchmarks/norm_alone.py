@@ -14,7 +14,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from fairseq_qknorm.qknorm_attention import ScaledAffineNorm, ScaledUnitNorm
+from fairseq_qknorm.lean_norms import ScaledAffineNorm, ScaledUnitNorm
 
 from .arms import QK_SCALE_INIT, SIZES
 from .report import pair_ratios

@@ -4,17 +4,18 @@ that arm's model is built and timed.
 
 - `one_pass`: y = g * x, one elementwise pass forward and one backward, and g not trained: less work
   than any normalization does, so no kernel for one can be cheaper. Not a normalization at all.
-- `l2_compiled`: the l2 norm's own code, ScaledUnitNorm.values forward and ScaledUnitNorm.gradients
-  backward, each fused by torch.compile (inductor writes and builds C++ for it, so a C++ compiler is
+- `l2_compiled`: the l2 norm's own code, ScaledUnitNorm.values forward and ScaledUnitNorm.backward,
+  each fused by torch.compile (inductor writes and builds C++ for it, so a C++ compiler is
   needed; the first rounds pay the build)."""
 
 import contextlib
 import functools
+import types
 
 import torch
 
-import fairseq_qknorm.qknorm_attention as qknorm_attention
-from fairseq_qknorm.qknorm_attention import ScaledUnitNorm  # the real one, whatever stands in later
+import fairseq_qknorm.lean_norms as lean_norms
+from fairseq_qknorm.lean_norms import ScaledUnitNorm  # the real one, whatever stands in later
 
 
 class OnePass(torch.autograd.Function):
@@ -39,6 +40,18 @@ def _compile(fn):
     return torch.compile(fn, dynamic=True)
 
 
+# ScaledUnitNorm.backward's code as a plain function: torch.compile then traces it as code (through
+# the class, it would take it for an autograd call).
+_UNIT_NORM_BACKWARD = ScaledUnitNorm.backward
+
+
+def _unit_norm_backward(y, inv_norm, g, grad_y, want_g):
+    """ScaledUnitNorm.backward on the tensors its forward saved, as a function of tensors alone:
+    what torch.compile takes (an autograd context is not one)."""
+    ctx = types.SimpleNamespace(saved_tensors=(y, inv_norm, g), needs_input_grad=(True, want_g))
+    return _UNIT_NORM_BACKWARD(ctx, grad_y)
+
+
 class CompiledUnitNorm(ScaledUnitNorm):
     """ScaledUnitNorm, its values and gradients each compiled. A subclass, so that the real code, which
     names ScaledUnitNorm, finds its constants in the stand-in while it stands in."""
@@ -56,7 +69,7 @@ class CompiledUnitNorm(ScaledUnitNorm):
     @staticmethod
     def backward(ctx, grad_y):
         y, inv_norm, g = ctx.saved_tensors
-        return _compile(ScaledUnitNorm.gradients)(y, grad_y, inv_norm, g, ctx.needs_input_grad[1])
+        return _compile(_unit_norm_backward)(y, inv_norm, g, grad_y, ctx.needs_input_grad[1])
 
 
 STAND_INS = {"one_pass": OnePass, "l2_compiled": CompiledUnitNorm}
@@ -68,8 +81,8 @@ def standing_in(arm):
     if arm not in STAND_INS:
         yield
         return
-    qknorm_attention.ScaledUnitNorm = STAND_INS[arm]
+    lean_norms.ScaledUnitNorm = STAND_INS[arm]
     try:
         yield
     finally:
-        qknorm_attention.ScaledUnitNorm = ScaledUnitNorm
+        lean_norms.ScaledUnitNorm = ScaledUnitNorm

@@ -4,6 +4,7 @@ Use as `--user-dir $(fairseq-qknorm-user-dir)` with any fairseq command; it regi
 `transformer_qknorm` and its architectures (see architectures.py), and the language model
 `transformer_lm_qknorm` and its architectures (see transformer_lm_qknorm.py), and the learning-rate
 schedulers of the paper's own code, `paper_warmup_flat` and `paper_constant` (paper_lr_schedulers.py).
+Importing it changes what docs/what-importing-changes.md lists, and nothing else (fairseq_patches.py).
 """
 
 import os

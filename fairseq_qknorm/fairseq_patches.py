@@ -1,5 +1,7 @@
 """Every change the plugin makes to fairseq's own behaviour, in one place. `install()` runs once,
 when the plugin is imported (which `--user-dir` does); each patch is narrow and says why.
+docs/what-importing-changes.md tells users what they change, and tests/plugin/test_import.py fails
+when importing the plugin changes anything that page does not list.
 
 1. Checkpoint loading: fairseq's checkpoint loaders always load with torch's safe unpickler
    (weights_only=True), whatever this fairseq passes; the few non-tensor classes a fairseq

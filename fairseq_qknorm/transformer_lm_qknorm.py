@@ -1,6 +1,6 @@
 """The `transformer_lm_qknorm` model: fairseq's decoder-only `transformer_lm` (--task
-language_modeling) with QKNormAttention in every self attention, and the translation model's
-QK-norm flags. Only the model builder is overridden; forward passes are fairseq's own.
+language_modeling) with QKNormAttention in every self attention, and the QK-norm flags of
+qk_flags.py. Only the model builder is overridden; forward passes are fairseq's own.
 
 For `--qk-scale-init auto`, L is the length of the samples the task trains on: with
 `--sample-break-mode none` every block holds --tokens-per-sample tokens; with eos, complete or
@@ -20,17 +20,11 @@ from fairseq.models.transformer_lm import (
     transformer_lm_gpt,
     transformer_lm_gpt2_tiny,
 )
-from omegaconf import OmegaConf
 
 from .errors import QKNormConfigError
 from .length_prior import g0_for_length, length_percentile
-from .transformer_qknorm import (
-    QKNormTransformerDecoder,
-    add_qk_args,
-    check_qk_flags,
-    resolve_qk_scale_init,
-    warn_if_g_not_positive,
-)
+from .qk_flags import WatchesG, add_qk_args, as_namespace, check_qk_flags, resolve_qk_scale_init, set_qk_defaults
+from .transformer_qknorm import QKNormTransformerDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +34,7 @@ TRANSLATION_ONLY = dict(norm_type="layernorm", fixnorm=False, word_dropout=0.0)
 
 
 @register_model("transformer_lm_qknorm")
-class TransformerLMQKNormModel(TransformerLanguageModel):
+class TransformerLMQKNormModel(WatchesG, TransformerLanguageModel):
     @classmethod
     def add_args(cls, parser):
         # Registered without a dataclass, so that the checkpoint keeps its args as a Namespace, as
@@ -53,8 +47,7 @@ class TransformerLMQKNormModel(TransformerLanguageModel):
     def build_model(cls, args, task):
         qknorm_lm_base_architecture(args)
         args.qk_scale_init = resolve_lm_qk_scale_init(args, task)  # in the config that is saved
-        if OmegaConf.is_config(args):  # fairseq-hydra-train: see TransformerQKNormModel.build_model
-            args = argparse.Namespace(**OmegaConf.to_container(args, resolve=True))
+        args = as_namespace(args)
         # fairseq's builder makes the input embeddings (plain, character or adaptive) and checks
         # their flags, but builds its decoder inline, with no hook: its stock decoder is dropped
         # for one with QK-norm layers around the same embeddings.
@@ -63,10 +56,6 @@ class TransformerLMQKNormModel(TransformerLanguageModel):
         return cls(
             QKNormTransformerDecoder(cfg, task.target_dictionary, stock.decoder.embed_tokens, no_encoder_attn=True)
         )
-
-    def set_num_updates(self, num_updates):
-        super().set_num_updates(num_updates)
-        warn_if_g_not_positive(self, num_updates)
 
 
 def resolve_lm_qk_scale_init(args, task) -> float:
@@ -116,11 +105,7 @@ def qknorm_lm_base_architecture(args):
     every named fairseq LM architecture) with the paper's QK-norm in every self attention. (fairseq's
     own `--arch transformer_lm` skips base_lm_architecture and is post-norm.) Also fills in the
     plugin's args for checkpoints that predate one."""
-    args.qk_norm = getattr(args, "qk_norm", "l2")
-    args.qk_scale = getattr(args, "qk_scale", "learned")
-    args.qk_scale_init = getattr(args, "qk_scale_init", "auto")
-    args.qk_length_percentile = getattr(args, "qk_length_percentile", 97.5)
-    args.qk_scale_per_head = getattr(args, "qk_scale_per_head", False)
+    set_qk_defaults(args)
     base_lm_architecture(args)
 
 

@@ -420,8 +420,8 @@ def test_one_process_times_every_arm_against_the_first(corpus):
 def test_the_compiled_stand_in_runs_the_l2_norms_code_while_it_stands_in(g, monkeypatch):
     """l2_compiled, its compile step left out (it needs a C++ compiler): the values and gradients of
     ScaledUnitNorm, in its place only while its arm runs."""
-    from fairseq_qknorm import qknorm_attention
-    from fairseq_qknorm.qknorm_attention import ScaledUnitNorm
+    from fairseq_qknorm import lean_norms
+    from fairseq_qknorm.lean_norms import ScaledUnitNorm
 
     monkeypatch.setattr(norm_bounds, "_compile", lambda fn: fn)
     torch.manual_seed(0)
@@ -432,10 +432,10 @@ def test_the_compiled_stand_in_runs_the_l2_norms_code_while_it_stands_in(g, monk
     want = ScaledUnitNorm.apply(x, g_in)
     want_grads = torch.autograd.grad(want, inputs, grad)
     with norm_bounds.standing_in("l2_compiled"):
-        assert qknorm_attention.ScaledUnitNorm is norm_bounds.CompiledUnitNorm
-        got = qknorm_attention.ScaledUnitNorm.apply(x, g_in)
+        assert lean_norms.ScaledUnitNorm is norm_bounds.CompiledUnitNorm
+        got = lean_norms.unit_norm(x, g_in)
         got_grads = torch.autograd.grad(got, inputs, grad)
-    assert qknorm_attention.ScaledUnitNorm is ScaledUnitNorm
+    assert lean_norms.ScaledUnitNorm is ScaledUnitNorm
     torch.testing.assert_close(got, want)
     for a, b in zip(got_grads, want_grads):
         torch.testing.assert_close(a, b)

@@ -3,34 +3,68 @@ when the model is built."""
 
 import pytest
 
+LM = ["--task", "language_modeling", "--arch", "transformer_lm_qknorm"]
 
-def parse_training_flags(capsys, *flags):
+
+def parse_training_flags(capsys, *flags, model=("--arch", "transformer_qknorm")):
     """fairseq-train's own parser, with the plugin's flags, in-process: the error line it ends with."""
     from conftest import USER_DIR
     from fairseq import options
 
     parser = options.get_training_parser()
     with pytest.raises(SystemExit) as e:
-        options.parse_args_and_arch(parser, ["DATA", "--user-dir", USER_DIR, "--arch", "transformer_qknorm", *flags])
+        options.parse_args_and_arch(parser, ["DATA", "--user-dir", USER_DIR, *model, *flags])
     assert e.value.code == 2
     return capsys.readouterr().err.strip().splitlines()[-1]
 
 
+QK_REFUSED = [
+    ("--qk-scale-init", "-3", "expected 'auto' or a positive finite number, got '-3'"),
+    ("--qk-scale-init", "0", "expected 'auto' or a positive finite number, got '0'"),
+    ("--qk-scale-init", "nan", "expected 'auto' or a positive finite number, got 'nan'"),
+    ("--qk-scale-init", "inf", "expected 'auto' or a positive finite number, got 'inf'"),
+    ("--qk-scale-init", "twelve", "expected 'auto' or a positive finite number, got 'twelve'"),
+    ("--qk-length-percentile", "nan", "expected a percentile in (0, 100], got 'nan'"),
+]
+
+
 @pytest.mark.parametrize(
     "flag, value, expected",
-    [
-        ("--qk-scale-init", "-3", "expected 'auto' or a positive finite number, got '-3'"),
-        ("--qk-scale-init", "0", "expected 'auto' or a positive finite number, got '0'"),
-        ("--qk-scale-init", "nan", "expected 'auto' or a positive finite number, got 'nan'"),
-        ("--qk-scale-init", "inf", "expected 'auto' or a positive finite number, got 'inf'"),
-        ("--qk-scale-init", "twelve", "expected 'auto' or a positive finite number, got 'twelve'"),
-        ("--qk-length-percentile", "nan", "expected a percentile in (0, 100], got 'nan'"),
+    QK_REFUSED
+    + [
         ("--word-dropout", "1", "expected a probability in [0, 1), got '1'"),
         ("--word-dropout", "-0.1", "expected a probability in [0, 1), got '-0.1'"),
     ],
 )
 def test_the_parser_refuses_values_the_technique_cannot_mean(capsys, flag, value, expected):
     assert parse_training_flags(capsys, flag, value).endswith(f"error: argument {flag}: {expected}")
+
+
+@pytest.mark.parametrize("flag, value, expected", QK_REFUSED)
+def test_the_language_models_parser_refuses_the_same_values(capsys, flag, value, expected):
+    assert parse_training_flags(capsys, flag, value, model=LM).endswith(f"error: argument {flag}: {expected}")
+
+
+def test_both_models_default_to_the_papers_qk_norm():
+    """An architecture's QK-norm defaults, for a translation and a language model given no flag."""
+    import argparse
+
+    from fairseq.models import ARCH_CONFIG_REGISTRY
+
+    import fairseq_qknorm  # noqa: F401
+
+    flags = ("qk_norm", "qk_scale", "qk_scale_init", "qk_length_percentile", "qk_scale_per_head")
+    defaults = []
+    for arch in (
+        "transformer_qknorm",
+        "transformer_qknorm_paper",
+        "transformer_lm_qknorm",
+        "transformer_lm_qknorm_gpt",
+    ):
+        args = argparse.Namespace()
+        ARCH_CONFIG_REGISTRY[arch](args)
+        defaults.append({flag: getattr(args, flag) for flag in flags})
+    assert defaults == [dict(zip(flags, ("l2", "learned", "auto", 97.5, False)))] * 4
 
 
 def test_the_parser_keeps_values_the_technique_can_mean(capsys):

@@ -21,9 +21,10 @@ import fairseq.checkpoint_utils, fairseq.data.data_utils, fairseq.data.token_blo
 import fairseq.dataclass.utils, fairseq.distributed.utils, fairseq.file_io, fairseq.utils
 import fairseq.models.transformer, fairseq.models.transformer_lm, fairseq.modules
 import fairseq.modules.checkpoint_activations, fairseq.modules.transformer_layer
-import fairseq.optim.fp16_optimizer, fairseq.trainer
+import fairseq.optim.fp16_optimizer, fairseq.optim.lr_scheduler, fairseq.trainer
 import omegaconf.base, omegaconf.nodes
 from fairseq.models import ARCH_MODEL_REGISTRY, MODEL_REGISTRY
+from fairseq.optim.lr_scheduler import LR_SCHEDULER_REGISTRY
 
 
 def attributes():
@@ -55,7 +56,8 @@ def settings():
 
 settings_before = settings()
 before, safe_before = attributes(), set(map(repr, torch.serialization.get_safe_globals()))
-models_before, archs_before = set(MODEL_REGISTRY), set(ARCH_MODEL_REGISTRY)
+registries = dict(models=MODEL_REGISTRY, archs=ARCH_MODEL_REGISTRY, lr_schedulers=LR_SCHEDULER_REGISTRY)
+registered_before = {name: set(registry) for name, registry in registries.items()}
 import fairseq_qknorm
 
 changed = sorted(
@@ -73,8 +75,7 @@ print(json.dumps(dict(
     changed=changed,
     settings_changed=sorted(k for k in settings_before if settings_before[k] != settings_after[k]),
     safe_globals_added=sorted(set(map(repr, torch.serialization.get_safe_globals())) - safe_before),
-    models=sorted(set(MODEL_REGISTRY) - models_before),
-    archs=sorted(set(ARCH_MODEL_REGISTRY) - archs_before),
+    **{name: sorted(set(registry) - registered_before[name]) for name, registry in registries.items()},
 )))
 """
 
@@ -100,3 +101,4 @@ def test_importing_the_plugin_changes_only_what_the_docs_list(tmp_path):
     assert "<class 'argparse.Namespace'>" in result["safe_globals_added"]  # 2.
     assert result["models"] == ["transformer_lm_qknorm", "transformer_qknorm"]  # 1.
     assert {"transformer_qknorm_paper", "transformer_lm_qknorm_gpt"} <= set(result["archs"])
+    assert result["lr_schedulers"] == ["paper_constant", "paper_warmup_flat"]

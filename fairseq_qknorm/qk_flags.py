@@ -1,0 +1,174 @@
+"""The QK-norm flags, written once for the translation model (transformer_qknorm.py) and the language
+model (transformer_lm_qknorm.py): the command-line flags and their checks, their defaults, `auto`
+made a number from the training data, the configuration as fairseq's builders read it, and the
+watch on a learned g during training."""
+
+import argparse
+import logging
+import math
+
+import torch
+from omegaconf import OmegaConf
+
+from .errors import QKNormConfigError
+from .length_prior import g0_from_data
+from .qknorm_attention import QK_NORMS, QK_SCALES
+
+logger = logging.getLogger(__name__)
+
+
+def add_qk_args(parser, lengths):
+    """The QK-norm flags; LENGTHS says what L is the percentile of. No defaults here: the
+    architectures set them (fairseq's convention), through set_qk_defaults."""
+    parser.add_argument(
+        "--qk-norm", choices=QK_NORMS, help="normalize q and k per head: l2 (the paper), layernorm, rmsnorm, none"
+    )
+    parser.add_argument(
+        "--qk-scale", choices=QK_SCALES, help="scale of q.k: a learned scalar g, a fixed g, or none (1/sqrt(head_dim))"
+    )
+    parser.add_argument(
+        "--qk-scale-init",
+        metavar="auto|FLOAT",
+        type=_auto_or_float,
+        help="initial g (> 0); auto = log2(L^2 - L), L a percentile of " + lengths,
+    )
+    parser.add_argument(
+        "--qk-length-percentile",
+        type=in_range("--qk-length-percentile"),
+        metavar="P",
+        help=f"percentile of {lengths} that gives L for auto (default 97.5)",
+    )
+    parser.add_argument(
+        "--qk-scale-per-head", action="store_true", help="one g per head instead of one per attention module"
+    )
+
+
+def set_qk_defaults(args):
+    """The defaults of the QK-norm flags not given: the paper's QK-norm. Also fills them in for
+    checkpoints that predate one of them."""
+    args.qk_norm = getattr(args, "qk_norm", "l2")
+    args.qk_scale = getattr(args, "qk_scale", "learned")
+    args.qk_scale_init = getattr(args, "qk_scale_init", "auto")
+    args.qk_length_percentile = getattr(args, "qk_length_percentile", 97.5)
+    args.qk_scale_per_head = getattr(args, "qk_scale_per_head", False)
+
+
+def _number(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan  # refused by every range check below
+
+
+def _positive_g(value) -> bool:
+    # g multiplies the cosine similarities: g <= 0 sends attention to the least similar keys, and
+    # NaN or infinity make every attention weight NaN or one-hot from the first step.
+    return math.isfinite(value) and value > 0
+
+
+def _auto_or_float(value: str):
+    if value == "auto":
+        return value
+    if not _positive_g(_number(value)):
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive finite number, got {value!r}")
+    return float(value)
+
+
+# The plugin's flags with a range: argparse checks them (their type), and check_qk_flags again for
+# values that never went through argparse.
+RANGES = {
+    "--qk-length-percentile": ("a percentile in (0, 100]", lambda x: 0 < x <= 100),
+    # The translation model's. p = 1 would replace every input token by <unk>: nothing would be left to translate.
+    "--word-dropout": ("a probability in [0, 1)", lambda x: 0 <= x < 1),
+}
+
+
+def in_range(flag):
+    """The argparse type of a flag of RANGES."""
+    expected, ok = RANGES[flag]
+
+    def parse(value: str) -> float:
+        x = _number(value)
+        if not ok(x):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value!r}")
+        return x
+
+    return parse
+
+
+def check_qk_flags(args):
+    """The checks of add_qk_args's types, again for values that never went through argparse
+    (fairseq-hydra-train's config, a saved Namespace), and those that need two flags."""
+    for flag, (expected, ok) in RANGES.items():
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None and not ok(_number(value)):
+            raise QKNormConfigError(f"{flag}: expected {expected}, got {value!r}")
+    if getattr(args, "qk_scale_per_head", False):
+        if args.qk_scale == "none":
+            raise QKNormConfigError(
+                "--qk-scale-per-head: there is no g with --qk-scale none; "
+                "use --qk-scale learned or fixed, or drop --qk-scale-per-head"
+            )
+        heads = [getattr(args, f"{side}_attention_heads", None) for side in ("encoder", "decoder")]
+        if max((h for h in heads if h is not None), default=None) == 1:
+            raise QKNormConfigError(
+                "--qk-scale-per-head: every attention has one head, so one g per head "
+                "is one g per module; drop --qk-scale-per-head"
+            )
+
+
+def resolve_qk_scale_init(args, task) -> float:
+    """--qk-scale-init as a number. `auto` reads L from the binarized training split once, at
+    training time; the number replaces `auto` in the saved args, so loading never needs the data.
+    (The language model's `auto` is its own: transformer_lm_qknorm.resolve_lm_qk_scale_init.)"""
+    check_qk_flags(args)
+    value = args.qk_scale_init
+    if args.qk_scale == "none":
+        return value
+    if value != "auto":
+        if not _positive_g(_number(value)):
+            raise QKNormConfigError(f"--qk-scale-init: expected 'auto' or a positive finite number, got {value!r}")
+        return float(value)
+    data = getattr(getattr(task, "cfg", None), "data", None)
+    if not data:
+        raise QKNormConfigError("--qk-scale-init auto needs the task's binarized training data; pass a number instead")
+    split = getattr(args, "train_subset", None) or "train"
+    length, g0 = g0_from_data(data, split, task.cfg.source_lang, task.cfg.target_lang, args.qk_length_percentile)
+    logger.info(
+        f"qk-norm: L={length} ({args.qk_length_percentile:g}th percentile of '{split}' lengths) g0=log2(L^2-L)={g0:.4f}"
+    )
+    return g0
+
+
+def as_namespace(args):
+    """The configuration as fairseq's builders read it. fairseq-hydra-train passes a DictConfig, and
+    TransformerConfig.from_namespace keeps the extra keys (the plugin's flags) of a Namespace only."""
+    if OmegaConf.is_config(args):
+        return argparse.Namespace(**OmegaConf.to_container(args, resolve=True))
+    return args
+
+
+class WatchesG:
+    """For the plugin's models (listed first among the bases): the watch on a learned g, which
+    fairseq's trainer runs before every update through set_num_updates."""
+
+    def set_num_updates(self, num_updates):
+        super().set_num_updates(num_updates)
+        warn_if_g_not_positive(self, num_updates)
+
+
+def warn_if_g_not_positive(model, num_updates):
+    """Log once per learned g that has reached g <= 0: the flags only guard its initial value, and
+    training (a high learning rate, weight decay) can still push it there."""
+    gs = {name: p for name, p in model.named_parameters() if name.endswith("qk_scale.g")}
+    if not gs or torch.stack([g.detach().min() for g in gs.values()]).min().item() > 0:  # one sync an update
+        return
+    warned = model.__dict__.setdefault("_warned_nonpositive_g", set())
+    for name, g in gs.items():
+        if name not in warned and g.detach().min().item() <= 0:
+            warned.add(name)
+            logger.warning(
+                f"qk-norm: the learned g {name} is {g.detach().min().item():.4g} at update "
+                f"{num_updates}: g <= 0 turns attention towards the least similar keys (lower the "
+                "learning rate, or the weight decay on g)"
+            )
