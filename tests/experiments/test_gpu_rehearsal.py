@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.gl_en_2x2 import CELLS
+from experiments.gl_en_2x2_records import CELLS
 
 pytestmark = pytest.mark.skipif(os.environ.get("GPU_REHEARSAL") != "1", reason="slow: GPU_REHEARSAL=1 runs it")
 
