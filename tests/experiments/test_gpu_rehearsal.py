@@ -14,7 +14,7 @@ It installs from the package index and trains 24 small runs on the CPU, so it ru
 
 Settings (environment): REHEARSAL_DIR (default work/rehearsal: the downloaded packages and the
 wheels, kept for the next time, and the last rehearsal's folders), REHEARSAL_PYTHON (default python3.11), TIME_LIMIT (default 540, the
-call's), PRECISION (default bf16), REHEARSAL_RECORD=1 (write the call's log, budget and summary,
+call's), CHECK_SECONDS (the call's default), PRECISION (default bf16), REHEARSAL_RECORD=1 (write the call's log, budget and summary,
 with this machine's folders replaced by names, to examples/ted/gl-en-2x2-gpu/rehearsal/).
 """
 
@@ -125,7 +125,11 @@ def rehearsal():
         "PATH": f"{bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         "HOME": os.environ["HOME"],
         "LANG": "C.UTF-8",
-        **{k: os.environ[k] for k in ("TMPDIR", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if k in os.environ},
+        **{
+            k: os.environ[k]
+            for k in ("TMPDIR", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "CHECK_SECONDS")
+            if k in os.environ
+        },
         "VENV": str(tmp / "no-venv"),  # the project's environment is not there
         "OUT": str(out),
         "WORK": str(work),
