@@ -83,7 +83,8 @@ install_missing() {
 settings() {
     if [ "$SMOKE" = 1 ]; then
         BASE_PRESET=smoke RECORD_PRESET=smoke-gpu
-        TIME_LIMIT=${TIME_LIMIT:-1800} PROBE_UPDATES=${PROBE_UPDATES:-4} LOG_INTERVAL=${LOG_INTERVAL:-1}
+        # generous: on a busy CPU every start-up of torch and fairseq takes minutes
+        TIME_LIMIT=${TIME_LIMIT:-3600} PROBE_UPDATES=${PROBE_UPDATES:-4} LOG_INTERVAL=${LOG_INTERVAL:-1}
         MAX_EPOCHS=${MAX_EPOCHS-2} SEEDS=${SEEDS:-1} CHECK_SECONDS=${CHECK_SECONDS:-300}
     else
         BASE_PRESET=paper RECORD_PRESET=paper-gpu
