@@ -13,8 +13,8 @@ It installs from the package index and trains 24 small runs on the CPU, so it ru
     GPU_REHEARSAL=1 .venv/bin/python -m pytest -q tests/experiments/test_gpu_rehearsal.py
 
 Settings (environment): REHEARSAL_DIR (default work/rehearsal: the downloaded packages and the
-wheels, kept for the next time), REHEARSAL_PYTHON (default python3.11), TIME_LIMIT (default 540, the
-call's), PRECISION (default bf16), REHEARSAL_RECORD=1 (write the call's log, budget and summary,
+wheels, kept for the next time, and the last rehearsal's folders), REHEARSAL_PYTHON (default python3.11), TIME_LIMIT (default 540, the
+call's), CHECK_SECONDS (the call's default), PRECISION (default bf16), REHEARSAL_RECORD=1 (write the call's log, budget and summary,
 with this machine's folders replaced by names, to examples/ted/gl-en-2x2-gpu/rehearsal/).
 """
 
@@ -77,10 +77,11 @@ def working_tree(dest):
 
 
 @pytest.fixture(scope="module")
-def rehearsal(tmp_path_factory):
+def rehearsal():
     cache = Path(os.environ.get("REHEARSAL_DIR", ROOT / "work" / "rehearsal")).resolve()
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_path_factory.mktemp("rehearsal")
+    tmp = cache / "last"  # kept until the next rehearsal, to be read when it fails
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     python = environment(cache, tmp / "env")
     found = run(
         [python, "-c", "import importlib.util as u; print(u.find_spec('fairseq'), u.find_spec('fairseq_qknorm'))"],
@@ -124,7 +125,11 @@ def rehearsal(tmp_path_factory):
         "PATH": f"{bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         "HOME": os.environ["HOME"],
         "LANG": "C.UTF-8",
-        **{k: os.environ[k] for k in ("TMPDIR", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if k in os.environ},
+        **{
+            k: os.environ[k]
+            for k in ("TMPDIR", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "CHECK_SECONDS")
+            if k in os.environ
+        },
         "VENV": str(tmp / "no-venv"),  # the project's environment is not there
         "OUT": str(out),
         "WORK": str(work),
@@ -148,12 +153,14 @@ def rehearsal(tmp_path_factory):
         timeout=TIME_LIMIT + 300,
     )
     seconds = time.time() - start
+    (tmp / "call.stderr").write_text(proc.stderr)
+    if os.environ.get("REHEARSAL_RECORD") == "1":
+        record(out, {str(tree): "$TREE", str(tmp / "env"): "$ENV", str(tmp): "$TMP"}, seconds, proc)
+    assert (out / "gl-en-2x2-gpu.tar.gz").is_file(), f"nothing packed ({proc.returncode})\n{proc.stderr[-3000:]}"
     unpacked = tmp / "unpacked"
     with tarfile.open(out / "gl-en-2x2-gpu.tar.gz") as tar:
         tar.extractall(unpacked, filter="data")
     log = (out / "run.log").read_text()
-    if os.environ.get("REHEARSAL_RECORD") == "1":
-        record(out, {str(tree): "$TREE", str(tmp / "env"): "$ENV", str(tmp): "$TMP"}, seconds, proc)
     return dict(proc=proc, seconds=seconds, out=out, unpacked=unpacked, log=log, python=python)
 
 
@@ -169,7 +176,7 @@ def record(out, names, seconds, proc):
             (dest / name).write_text(text)
     (dest / "call.txt").write_text(
         f"exit status {proc.returncode} after {seconds:.0f} s (TIME_LIMIT={TIME_LIMIT}, PRECISION={PRECISION})\n"
-        f"last line: {proc.stderr.strip().splitlines()[-1]}\n"
+        f"last line: {(proc.stderr.strip().splitlines() or [''])[-1]}\n"
     )
 
 

@@ -127,6 +127,21 @@ def test_every_cell_is_recorded_with_the_campaign_schema_and_the_same_budget(dry
     assert "Stopped by: the budget (--max-epoch, --max-update)" in summary
 
 
+def test_a_probe_cut_off_by_the_time_limit_ends_with_one_line_and_packs(gl_en, tmp_path):
+    # The time limit leaves the probe no time: its runs are killed at once, none is measured. The call
+    # must say so on its last line, after packing what there is (it once ended silently here: a
+    # pipeline on the missing probe results failed under `set -o pipefail`).
+    out = tmp_path / "out"
+    proc = script(SMOKE=1, DATA_DIR=gl_en, WORK=tmp_path / "work", OUT=out, TIME_LIMIT=400, CHECK_SECONDS=390)
+    pack = out / "gl-en-2x2-gpu.tar.gz"
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
+        f"error: probe: none of the 4 runs finished (logs in {pack})"
+    ), proc.stderr[-3000:]
+    with tarfile.open(pack) as tar:
+        assert {"records", "logs"} <= set(tar.getnames())
+    assert "probe: 4 runs" in (out / "run.log").read_text()
+
+
 def test_the_budget_keeps_the_measured_end_before_the_deadline(dry_run, tmp_path):
     _, _, _, work = dry_run
     probes = sorted(str(p) for p in (work / "probe").iterdir())

@@ -83,7 +83,8 @@ install_missing() {
 settings() {
     if [ "$SMOKE" = 1 ]; then
         BASE_PRESET=smoke RECORD_PRESET=smoke-gpu
-        TIME_LIMIT=${TIME_LIMIT:-1800} PROBE_UPDATES=${PROBE_UPDATES:-4} LOG_INTERVAL=${LOG_INTERVAL:-1}
+        # generous: on a busy CPU every start-up of torch and fairseq takes minutes
+        TIME_LIMIT=${TIME_LIMIT:-3600} PROBE_UPDATES=${PROBE_UPDATES:-4} LOG_INTERVAL=${LOG_INTERVAL:-1}
         MAX_EPOCHS=${MAX_EPOCHS-2} SEEDS=${SEEDS:-1} CHECK_SECONDS=${CHECK_SECONDS:-300}
     else
         BASE_PRESET=paper RECORD_PRESET=paper-gpu
@@ -239,17 +240,19 @@ run_all() {
     prepare
     rm -rf "$STAGE" "$WORK/probe" "$PROBE_RECORDS" "$WORK/arms" "$OUT/$PACK"
     mkdir -p "$RECORDS" "$LOGS" "$PROBE_RECORDS"
-    local end=$((START + TIME_LIMIT)) recorded_by runs probed failed budget
+    local end=$((START + TIME_LIMIT)) recorded_by runs probed=() dir failed budget
     recorded_by=$((end - CHECK_SECONDS - FINISH_SECONDS))  # every run translated and recorded by then
-    runs=$(python -m experiments.gl_en_2x2 pending "$RECORDS" --seeds $SEEDS | wc -l)
+    runs=$(python -m experiments.gl_en_2x2 pending "$RECORDS" --seeds $SEEDS | wc -l) || die "no list of runs (above)"
     log "probe: $runs runs (seeds $SEEDS) side by side: $PROBE_UPDATES updates, one validation, the test set translated and recorded"
     # At most half the time left: a probe that takes longer leaves too little to train.
     failed=$(export MAX_UPDATE=$PROBE_UPDATES WARMUP=$((PROBE_UPDATES * 10)) STOP_HOURS=""
         launch probe $(($(date +%s) + (recorded_by - $(date +%s)) / 2)))
-    probed=$(ls -d "$WORK"/probe/*/end_seconds 2> /dev/null | wc -l)
-    [ "$probed" -gt 0 ] || { pack; die "probe: none of the $runs runs finished (logs in $OUT/$PACK)"; }
-    [ "$failed" = 0 ] || log "warning: probe: $failed of $runs runs failed (logs in $OUT/$PACK); the budget comes from the other $probed"
-    budget=$(python -m experiments.gpu_budget size $(ls -d "$WORK"/probe/*/end_seconds | xargs -n1 dirname) \
+    for dir in "$WORK"/probe/*; do
+        if [ -f "$dir/end_seconds" ]; then probed+=("$dir"); fi
+    done
+    [ "${#probed[@]}" -gt 0 ] || { pack; die "probe: none of the $runs runs finished (logs in $OUT/$PACK)"; }
+    [ "$failed" = 0 ] || log "warning: probe: $failed of $runs runs failed (logs in $OUT/$PACK); the budget comes from the other ${#probed[@]}"
+    budget=$(python -m experiments.gpu_budget size "${probed[@]}" \
         --deadline "$recorded_by" --out "$RECORDS/budget.json" --dev-points "$DEV_POINTS" \
         ${MAX_EPOCHS:+--max-epochs "$MAX_EPOCHS"} ${END_RESERVE:+--end-seconds "$END_RESERVE"}) \
         || { pack; die "no budget (above)"; }
