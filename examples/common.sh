@@ -47,22 +47,37 @@ two_by_two_arm() {
 }
 
 # ---------------------------------------------------------------------------------------------
-# Presets: only sizes and budgets differ, never the pipeline. Every value can be overridden by
-# the environment variable of the same name (e.g. STOP_HOURS=2 PRESET=cpu ...).
+# Presets: sizes, budgets and the learning-rate schedule differ, never the pipeline. Every value can
+# be overridden by the environment variable of the same name (e.g. STOP_HOURS=2 PRESET=cpu ...).
 #   MODEL_FLAGS  size flags added after --arch (empty: the paper's size)
 #   MAX_TOKENS   tokens per batch;  WARMUP  linear warm-up updates (scaled with the budget)
 #   MAX_UPDATE   updates per arm (0: none), the same for both arms so they are comparable;
 #   STOP_HOURS   wall-clock cap per arm (empty: none), a safety net: an arm it stops is cut short
-#   VALID_EPOCHS validate every N epochs (the plateau scheduler only steps at epoch ends)
-#   BPE_SIZE     joint sentencepiece vocabulary;  LR  peak learning rate (the paper's 3e-4, except
-#                where the budget is minutes: a higher peak after a shorter warm-up)
+#   VALID_EPOCHS validate every N epochs (0: not at epoch ends, only every VALID_UPDATES updates)
+#   BPE_SIZE     joint sentencepiece vocabulary;  LR  peak learning rate
+# The schedule (SCHEDULE, set by the preset):
+#   plateau  (cpu, toy, smoke) every arm: linear warm-up to LR, then fairseq's reduce_lr_on_plateau
+#            (x0.8 after 4 epoch-end validations in a row without a new best dev BLEU), stop at STOP_MIN_LR.
+#            A budget of minutes cannot afford 8,000 warm-up updates: a shorter one, a higher peak.
+#   paper    (paper) each arm as the paper's own code trains it (configurations.py, controller.py),
+#            the plugin's paper_warmup_flat and paper_constant schedulers: the QKNorm system warms
+#            up over WARMUP (8,000) updates to LR = d^-0.5 * WARMUP^-0.5 (4.94e-4, d = 512) and stays
+#            flat; the baseline (BASELINE_ARCH) trains at BASELINE_LR (3e-4) from the first update.
+#            Both: x0.8 after a validation whose dev BLEU is below the minimum of the 3 before it;
+#            stop below STOP_LR (QKNorm system) or BASELINE_STOP_LR (baseline), or after
+#            MAX_PAPER_EPOCHS epochs: the paper code's epoch is the pair's VALID_UPDATES updates and a
+#            validation (MAX_UPDATE = MAX_PAPER_EPOCHS x VALID_UPDATES).
+#   paper_controlled  (paper_controlled) as paper, with the QKNorm system's schedule, stop and
+#            epoch cap for every arm: the 2x2 ({ScaleNorm, LayerNorm} x {dot, QKNorm}) needs one
+#            schedule for all four cells, else the schedule is a third thing that differs.
 # ---------------------------------------------------------------------------------------------
 set_preset() {
     PRESET=$1
     local model warmup lr=3e-4 max_update stop_hours valid_epochs bpe max_tokens=4096 valid_updates=$VALID_UPDATES
+    local schedule=plateau
     case $PRESET in
-        paper)  # the paper's sizes (the arch defaults), for a GPU; trains until the rate hits STOP_MIN_LR
-            model="" warmup=8000 max_update=0 stop_hours="" valid_epochs=1 bpe=8000 ;;
+        paper|paper_controlled)  # the paper's sizes (the arch defaults) and the paper code's schedules, for a GPU
+            model="" warmup=8000 lr="" max_update="" stop_hours="" valid_epochs=0 bpe=8000 schedule=$PRESET ;;
         cpu)    # ~45 min per arm on 2 CPU cores (gl-en): the paper's layers and heads at a quarter of
                 # the width (a wider model gets too few updates in the budget), dropout 0.1 instead of
                 # the paper's 0.4 (at this width and budget 0.4 kept both arms from learning, measured:
@@ -75,22 +90,44 @@ set_preset() {
         smoke)  # seconds: checks the plumbing (CI), not the model
             model="--encoder-layers 1 --decoder-layers 1 --encoder-embed-dim 32 --decoder-embed-dim 32 --encoder-ffn-embed-dim 64 --decoder-ffn-embed-dim 64 --encoder-attention-heads 2 --decoder-attention-heads 2"
             warmup=10 lr=1e-3 max_update=30 stop_hours="" valid_epochs=1 bpe=200 max_tokens=1024 valid_updates=0 ;;
-        *) die "unknown PRESET '$PRESET' (expected one of: paper cpu toy smoke)" ;;
+        *) die "unknown PRESET '$PRESET' (expected one of: paper paper_controlled cpu toy smoke)" ;;
     esac
+    SCHEDULE=$schedule
     MODEL_FLAGS=${MODEL_FLAGS-$model}
     WARMUP=${WARMUP:-$warmup}
-    MAX_UPDATE=${MAX_UPDATE:-$max_update}
     STOP_HOURS=${STOP_HOURS-$stop_hours}
     VALID_EPOCHS=${VALID_EPOCHS:-$valid_epochs}
     VALID_UPDATES=${VALID_UPDATE_INTERVAL:-$valid_updates}
     BPE_SIZE=${BPE_SIZE:-$bpe}
     MAX_TOKENS=${MAX_TOKENS:-$max_tokens}
-    LR=${LR:-$lr}
-    # The paper's optimisation (Transformers without Tears' setup), the same for every preset.
-    STOP_MIN_LR=${STOP_MIN_LR:-5e-5}
+    if [ "$SCHEDULE" = plateau ]; then
+        LR=${LR:-$lr}
+        # Transformers without Tears' stop rate, for the plateau schedule.
+        STOP_MIN_LR=${STOP_MIN_LR:-5e-5}
+    else
+        # The paper code's values (configurations.py): the QKNorm configurations' peak
+        # d^-0.5 * warmup^-0.5 (d = 512, the width of every paper architecture) and stop_lr (1e-5;
+        # gl-en 5e-5), the baseline's (base()) constant 3e-4 and stop_lr 5e-5; max_epochs 200
+        # (gl-en 1,000) for both.
+        LR=${LR:-$(awk -v w="$WARMUP" 'BEGIN { printf "%.6g", 1 / sqrt(512 * w) }')}
+        BASELINE_LR=${BASELINE_LR:-3e-4}
+        BASELINE_STOP_LR=${BASELINE_STOP_LR:-5e-5}
+        if [ "$PAIR" = gl-en ]; then
+            STOP_LR=${STOP_LR:-5e-5} MAX_PAPER_EPOCHS=${MAX_PAPER_EPOCHS:-1000}
+        else
+            STOP_LR=${STOP_LR:-1e-5} MAX_PAPER_EPOCHS=${MAX_PAPER_EPOCHS:-200}
+        fi
+        max_update=$((MAX_PAPER_EPOCHS * VALID_UPDATES))  # the epoch cap, in updates (0 without fixed epochs: none)
+    fi
+    MAX_UPDATE=${MAX_UPDATE:-$max_update}
     SEEDS=${SEEDS:-${SEED:-1}}
     # Decoding as in the paper: beam 4, length penalty 0.6, at most source length + 50 tokens.
     BEAM=4 LENPEN=0.6 MAX_LEN_B=50
+}
+
+# The 2x2 recipes train every cell with one schedule: not with the paper preset's two.
+require_one_schedule() {
+    [ "$SCHEDULE" != paper ] || die "PRESET=$PRESET trains the baseline and the QKNorm system with the paper code's two schedules; the 2x2 needs one for every cell: PRESET=paper_controlled"
 }
 
 setup_work() {
@@ -324,10 +361,32 @@ set_processes() {
 # under final names are complete (fairseq_qknorm/fairseq_patches.py); train.log goes on.
 # ---------------------------------------------------------------------------------------------
 train_arm_settings() {
-    local settings="$MODEL_FLAGS $MAX_TOKENS $WARMUP $MAX_UPDATE $STOP_HOURS $VALID_EPOCHS $VALID_UPDATES $LR $STOP_MIN_LR ${EXTRA_TRAIN_FLAGS:-}"
+    local settings="$MODEL_FLAGS $MAX_TOKENS $WARMUP $MAX_UPDATE $STOP_HOURS $VALID_EPOCHS $VALID_UPDATES $LR ${STOP_MIN_LR:-} ${EXTRA_TRAIN_FLAGS:-}"
+    # The paper code's schedules have values of their own; the plateau schedule's stamps stay as they were.
+    [ "$SCHEDULE" = plateau ] || settings+=" SCHEDULE=$SCHEDULE $BASELINE_LR $STOP_LR $BASELINE_STOP_LR"
     # A process count other than 1 batches differently; 1 adds nothing, so older stamps stay valid.
     [ "${NPROC:-1}" = 1 ] || settings+=" NPROC=$NPROC"
     echo "$settings"
+}
+
+# schedule_flags ARCH: the learning-rate schedule of an arm with architecture ARCH (SCHEDULE above),
+# in the array SCHEDULE_FLAGS.
+schedule_flags() {
+    local arch=$1
+    case $SCHEDULE in
+        plateau)
+            SCHEDULE_FLAGS=(--lr "$LR" --lr-scheduler reduce_lr_on_plateau --lr-shrink 0.8 --lr-patience 3
+                --warmup-updates "$WARMUP" --warmup-init-lr "$(awk -v lr="$STOP_MIN_LR" 'BEGIN { print lr * 1.01 }')" --stop-min-lr "$STOP_MIN_LR") ;;
+        paper|paper_controlled)
+            if [ "$SCHEDULE" = paper ] && [ "$arch" = "$BASELINE_ARCH" ]; then
+                SCHEDULE_FLAGS=(--lr "$BASELINE_LR" --lr-scheduler paper_constant --stop-lr "$BASELINE_STOP_LR")
+            else
+                SCHEDULE_FLAGS=(--lr "$LR" --lr-scheduler paper_warmup_flat --warmup-updates "$WARMUP" --stop-lr "$STOP_LR")
+            fi
+            # The decay rule of both (the schedulers' defaults, spelled out for the logged command).
+            SCHEDULE_FLAGS+=(--lr-shrink 0.8 --lr-patience 3) ;;
+        *) die "unknown SCHEDULE '$SCHEDULE'" ;;
+    esac
 }
 
 # train_command SAVE_DIR SEED ARCH [EXTRA FLAGS...]: the fairseq-train command line of every recipe
@@ -335,8 +394,18 @@ train_arm_settings() {
 # TRAIN_COMMAND. CHECKPOINT_FLAGS (default --no-epoch-checkpoints) says which checkpoints to keep.
 train_command() {
     local save_dir=$1 seed=$2 arch=$3; shift 3
+    # VALID_EPOCHS=0: no validation at fairseq's epoch ends (an interval no run reaches).
     local validation=(--validate-interval "$VALID_EPOCHS")
-    [ "$VALID_UPDATES" -gt 0 ] && validation+=(--validate-interval-updates "$VALID_UPDATES")
+    [ "$VALID_EPOCHS" -gt 0 ] || validation=(--validate-interval 1000000)
+    # Every validation is saved (checkpoint_best.pt can be any of them); of the checkpoints named by
+    # update, fairseq keeps the last only.
+    [ "$VALID_UPDATES" -gt 0 ] && validation+=(--validate-interval-updates "$VALID_UPDATES"
+        --save-interval-updates "$VALID_UPDATES" --keep-interval-updates 1)
+    schedule_flags "$arch"
+    # The paper code's schedules decay on its dev BLEU, multi-bleu.perl on the tokenized text:
+    # sacrebleu without a tokenization of its own (the corpora are Moses-tokenized).
+    local dev_bleu=()
+    [ "$SCHEDULE" = plateau ] || dev_bleu=(--eval-tokenized-bleu)
     local budget=()
     [ "$MAX_UPDATE" -gt 0 ] && budget+=(--max-update "$MAX_UPDATE")
     [ -n "$STOP_HOURS" ] && budget+=(--stop-time-hours "$STOP_HOURS")
@@ -347,12 +416,10 @@ train_command() {
     # shellcheck disable=SC2206  # MODEL_FLAGS / DEVICE_FLAGS / CHECKPOINT_FLAGS / EXTRA_TRAIN_FLAGS are flag lists
     TRAIN_COMMAND=("${LAUNCH[@]}" fairseq-train "$WORK/bin" --user-dir "$USER_DIR" --arch "$arch" $MODEL_FLAGS "$@"
         --source-lang "$SRC" --target-lang "$TGT"
-        --optimizer adam --clip-norm 1.0 --lr "$LR"
-        --lr-scheduler reduce_lr_on_plateau --lr-shrink 0.8 --lr-patience 3
-        --warmup-updates "$WARMUP" --warmup-init-lr "$(awk -v lr="$STOP_MIN_LR" 'BEGIN { print lr * 1.01 }')" --stop-min-lr "$STOP_MIN_LR"
+        --optimizer adam --clip-norm 1.0 "${SCHEDULE_FLAGS[@]}"
         --criterion label_smoothed_cross_entropy --label-smoothing 0.1
         --max-tokens "$RANK_MAX_TOKENS" --required-batch-size-multiple 1 --skip-invalid-size-inputs-valid-test
-        --eval-bleu --eval-bleu-args "{\"beam\": $BEAM, \"lenpen\": $LENPEN, \"max_len_a\": 1, \"max_len_b\": $MAX_LEN_B}" --eval-bleu-remove-bpe sentencepiece
+        --eval-bleu --eval-bleu-args "{\"beam\": $BEAM, \"lenpen\": $LENPEN, \"max_len_a\": 1, \"max_len_b\": $MAX_LEN_B}" --eval-bleu-remove-bpe sentencepiece "${dev_bleu[@]}"
         --best-checkpoint-metric bleu --maximize-best-checkpoint-metric
         "${validation[@]}" "${budget[@]}"
         --save-dir "$save_dir" ${CHECKPOINT_FLAGS:---no-epoch-checkpoints} --seed "$seed"

@@ -185,7 +185,7 @@ def run_status(run, logs):
     if not stopped_by or "max_update" in stopped_by:  # --max-epoch ends training without a word
         why = "the budget (--max-epoch, --max-update)"
     elif "learning rate" in stopped_by:
-        why = "the paper's stop (the learning rate fell to --stop-min-lr)"
+        why = "the paper's stop (the learning rate fell below its stop rate)"
     else:
         why = f"cut short ({stopped_by})"
     return why, rising

@@ -9,13 +9,15 @@
 #     length99   g0 from the 99th length percentile instead of the 97.5th (the paper's ablation)
 #     heads16    QKNorm with 16 heads instead of 8 (the paper's ablation)
 #     qk-norms   q and k normalized per head by LayerNorm or RMSNorm instead of L2, learned g kept
-# Settings: as run.sh (PRESET, SEEDS, DATA_DIR, WORK, ...). Results: WORK/NAME/results.md.
+# Settings: as run.sh (PRESET, SEEDS, DATA_DIR, WORK, ...; the default PRESET of 2x2 is paper_controlled,
+# one schedule for every cell). Results: WORK/NAME/results.md.
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
 
 [ $# -eq 2 ] || die "usage: examples/ted/ablation.sh NAME PAIR (NAME: 2x2 no-g length99 heads16 qk-norms)"
 ablation=$1
 set_pair "$2"
-set_preset "${PRESET:-paper}"
+# The 2x2 needs one schedule for every cell: at the paper's size, paper_controlled.
+if [ "$ablation" = 2x2 ]; then set_preset "${PRESET:-paper_controlled}"; require_one_schedule; else set_preset "${PRESET:-paper}"; fi
 baseline="baseline:$BASELINE_ARCH"
 qknorm="qknorm:$QKNORM_ARCH"
 case $ablation in

@@ -5,7 +5,8 @@
 #
 #   examples/ted/run.sh PAIR        PAIR: gl-en sk-en ar-en en-he (TED, Qi et al. 2018), en-vi
 #                                   (IWSLT'15, Stanford), toy (the generated default corpus)
-# Settings (environment): PRESET=paper|cpu|toy|smoke (default paper), SEEDS="1 2" (default 1),
+# Settings (environment): PRESET=paper|paper_controlled|cpu|toy|smoke (default paper: each arm with the
+#   paper code's own learning-rate schedule; paper_controlled: one for both), SEEDS="1 2" (default 1),
 #   DATA_DIR (plain text {train,dev,test}.{src,tgt lang}: no download), TED_ARCHIVE (a local
 #   ted_talks.tar.gz), WORK (default work/PAIR-PRESET), CACHE_DIR (downloads), and the preset's
 #   values (MODEL_FLAGS, STOP_HOURS, MAX_UPDATE, ...: see examples/common.sh).

@@ -37,6 +37,7 @@ MAX_UPDATE=${MAX_UPDATE:-13600}
 WORK=${WORK:-$ROOT/work/gl-en-2x2-converged}
 set_pair gl-en
 set_preset "${PRESET:-cpu}"
+require_one_schedule  # PRESET=paper_controlled at the paper's size, not paper
 setup_work
 prepare
 mkdir -p "$RECORDS"

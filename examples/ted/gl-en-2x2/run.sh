@@ -23,6 +23,7 @@ THREADS=${THREADS:-1}
 WORK=${WORK:-$ROOT/work/gl-en-2x2}
 set_pair gl-en
 set_preset "${PRESET:-cpu}"
+require_one_schedule  # PRESET=paper_controlled at the paper's size, not paper
 setup_work
 prepare
 mkdir -p "$RECORDS"
