@@ -130,15 +130,14 @@ def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
                 scale = float(scaler.loss_scale)
                 try:
                     applied = trainer.train_step([sample]) is not None
-                except FloatingPointError as e:
+                except Exception as e:  # noqa: BLE001 - every way a run ends is an outcome
                     applied = False
-                    minimum = MINIMUM_LOSS_SCALE in str(e)
+                    cause = fairseq_error(e)
+                    minimum = isinstance(cause, FloatingPointError) and MINIMUM_LOSS_SCALE in str(cause)
                     record["outcome"] = "minimum loss scale" if minimum else "failed"
-                    record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
-                except Exception as e:  # noqa: BLE001 - any other way a run ends is an outcome too
-                    applied = False
-                    record["outcome"] = "failed"
-                    record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                    record["error"] = describe(cause) + (
+                        "" if cause is e else f" (then, while fairseq handled it: {describe(e)})"
+                    )
                 loss = forward.get("loss")
                 record["loss"].append(loss if loss is not None and math.isfinite(loss) else None)
                 record["applied"].append(applied)
@@ -162,6 +161,21 @@ def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
         record["seconds"] = round(time.time() - start, 1)
         record["torch_threads"] = torch.get_num_threads()
     return record
+
+
+def fairseq_error(error):
+    """The FloatingPointError fairseq raised, when another error hid it. On a FloatingPointError
+    ("Minimum loss scale reached", non-finite gradients), Trainer.train_step reruns the step under
+    its NanDetector before re-raising; under torch 2.13 that rerun itself fails (StopIteration in
+    torch's backward-hook code), raised while the FloatingPointError is being handled."""
+    cause = error
+    while cause is not None and not isinstance(cause, FloatingPointError):
+        cause = cause.__context__
+    return cause or error
+
+
+def describe(error):
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
 
 
 def progress_line(record):
