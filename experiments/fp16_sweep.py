@@ -25,6 +25,7 @@ and prints the table beside the fp32 sweep's runs of the same arm, rate and seed
 
 import argparse
 import copy
+import functools
 import json
 import math
 import shlex
@@ -156,11 +157,49 @@ def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
                     log(progress_line(record))
         if record["outcome"] != "finished":
             log(f"{arm} lr {lr:g} seed {seed} | stopped at update {record['stopped_at_update']}: {record['error']}")
+            record["first_non_finite"] = first_non_finite(model, criterion, sample)
+            log(
+                f"{arm} lr {lr:g} seed {seed} | first non-finite output on the last batch: {record['first_non_finite']}"
+            )
         record["final_loss_scale"] = float(scaler.loss_scale)
         record["max_logit"] = max(lr_sweep._finite(v for s in record["stats"] for v in s["max_logit"].values()))
         record["seconds"] = round(time.time() - start, 1)
         record["torch_threads"] = torch.get_num_threads()
     return record
+
+
+def first_non_finite(model, criterion, sample):
+    """Where the fp16 forward pass of this batch first leaves fp16's range: the first module, in
+    the order the pass runs them, whose output holds an inf or a NaN, with the largest magnitude
+    among its (finite) inputs; None when the whole pass is finite. (fairseq's NanDetector answers
+    this too, but its backward hooks fail under torch 2.13; these are forward hooks only.)"""
+    import torch
+
+    def tensors(x):
+        if torch.is_tensor(x):
+            return [x] if x.is_floating_point() else []
+        if isinstance(x, (list, tuple)):
+            return [t for item in x for t in tensors(item)]
+        if isinstance(x, dict):
+            return [t for item in x.values() for t in tensors(item)]
+        return []
+
+    found = []
+
+    def hook(name, module, inputs, output):
+        if not found and any(not torch.isfinite(t).all() for t in tensors(output)):
+            largest = max((float(t.float().abs().max()) for t in tensors(inputs) if t.numel()), default=None)
+            found.append({"module": name, "kind": type(module).__name__, "largest_input": largest})
+
+    handles = [m.register_forward_hook(functools.partial(hook, name)) for name, m in model.named_modules() if name]
+    try:
+        model.train()  # as the update ran it (dropout is 0)
+        with torch.no_grad():
+            criterion(model, sample)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found[0] if found else None
 
 
 def fairseq_error(error):
