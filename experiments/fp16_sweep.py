@@ -6,8 +6,9 @@ without bound; fp16's largest number is 65,504.)
     python -m experiments.fp16_sweep --work-dir work/fp16_sweep --out-dir examples/fp16_sweep \\
         [--arms stock qknorm qk_layernorm] [--lrs 0.03 0.1 0.3] [--seeds 1 2] [--updates 300] [--threads 1]
 
-The runs are the fp32 sweep's (experiments.lr_sweep: same model, data, optimizer, schedule, no
-gradient clipping, same seeds), with `--fp16` added: fairseq's FP16Optimizer (fp16 model, fp32
+The runs are the fp32 sweep's (experiments.lr_sweep, a configuration of the sweep engine
+experiments/sweep.py: same model, data, optimizer, schedule, no gradient clipping, same seeds), with
+`--fp16` added: fairseq's FP16Optimizer (fp16 model, fp32
 master weights) and its dynamic loss scaler at fairseq's defaults (initial scale 128, halved on
 every overflow, the update skipped; minimum 1e-4). On a machine without CUDA the plugin lets
 fairseq run this on the CPU (fairseq_qknorm/fairseq_patches.py, "--fp16 on the CPU").
@@ -25,17 +26,17 @@ and prints the table beside the fp32 sweep's runs of the same arm, rate and seed
 
 import argparse
 import copy
+import dataclasses
 import functools
 import json
 import math
 import shlex
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from experiments import lr_sweep
-from fairseq_qknorm import USER_DIR
+from experiments import lr_sweep, sweep
+from experiments.portable import portable
 from fairseq_qknorm_cli.files import atomic_path
 
 ARMS = lr_sweep.ARMS
@@ -47,17 +48,20 @@ FP32_RESULTS = Path(__file__).resolve().parents[1] / "examples" / "lr_sweep" / "
 MINIMUM_LOSS_SCALE = "Minimum loss scale reached"
 
 
+SWEEP = dataclasses.replace(lr_sweep.SWEEP, name="fp16_sweep")
+
+
 def fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir):
     """The fp32 sweep's fairseq-train flags of this run, with --fp16."""
-    return [*lr_sweep.fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir), "--fp16"]
+    return [*SWEEP.fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir), "--fp16"]
 
 
-def snapshot(model, criterion, sample):
+def snapshot(model, criterion, sample, real_queries_and_keys):
     """The fp32 sweep's attention statistics on a float32 copy of the fp16 weights, and the loss
     (bits per token) of the fp16 model itself on the same batch (None when not finite)."""
     import torch
 
-    stats = lr_sweep.attention_snapshot(copy.deepcopy(model).float(), criterion, sample)
+    stats = sweep.attention_statistics(copy.deepcopy(model).float(), criterion, sample, real_queries_and_keys)
     model.eval()
     with torch.no_grad():
         loss, sample_size, _ = criterion(model, sample)
@@ -65,15 +69,20 @@ def snapshot(model, criterion, sample):
     return {**stats, "fp16_loss": loss if math.isfinite(loss) else None}
 
 
-def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
-    """Train one arm at one peak learning rate in fp16; returns its record for results.json."""
+def train_run(engine, bin_dir, work_dir, arm, lr, seed, updates, warmup, stats_interval):
+    """Train one arm at one peak learning rate in fp16; returns its record for results.json (the
+    sweep engine's train_run signature; engine: the Sweep, whose log it writes to)."""
     import torch
     from fairseq import options, tasks, utils
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.logging import metrics
     from fairseq.trainer import Trainer
 
-    with tempfile.TemporaryDirectory(prefix="fp16_sweep_") as save_dir:
+    from fairseq_qknorm import USER_DIR
+
+    log = engine.log
+
+    with tempfile.TemporaryDirectory(prefix=f"{engine.name}_") as save_dir:
         flags = fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir)
         cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), flags))
         metrics.reset()
@@ -83,7 +92,8 @@ def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
         criterion = task.build_criterion(cfg.criterion)
         task.load_dataset("valid")
         dev = task.dataset("valid")
-        fixed_batch = dev.collater([dev[i] for i in range(min(lr_sweep.STATS_SENTENCES, len(dev)))])
+        fixed_batch = dev.collater([dev[i] for i in range(min(engine.stats_items, len(dev)))])
+        real_queries_and_keys = engine.real_positions(fixed_batch, criterion.padding_idx)
         trainer = Trainer(cfg, task, model, criterion)  # casts model to fp16, in place
         epoch_itr = trainer.get_train_iterator(epoch=1)
 
@@ -103,7 +113,9 @@ def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
             "arm": arm,
             "lr": lr,
             "seed": seed,
-            "command": "fairseq-train " + shlex.join(flags),
+            "command": portable(
+                "fairseq-train " + shlex.join(flags), {save_dir: "SAVE_DIR", work_dir: "$WORK", USER_DIR: "$USER_DIR"}
+            ),
             "params": sum(p.numel() for p in model.parameters()),
             "qk_scale_init": cfg.model.qk_scale_init if getattr(cfg.model, "qk_scale", "none") != "none" else None,
             "outcome": None,
@@ -114,13 +126,11 @@ def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
             "loss_scale": [],  # per attempted update: the scale its backward pass used
             "stats": [],
         }
-        # The paths of this machine: the data, the plugin, the temporary save directory.
-        for path, name in ((str(bin_dir), "DATA_BIN"), (USER_DIR, "USER_DIR"), (save_dir, "SAVE_DIR")):
-            record["command"] = record["command"].replace(path, name)
         scaler = trainer.optimizer.scaler
 
         def take_snapshot():
-            record["stats"].append({"update": trainer.get_num_updates(), **snapshot(model, criterion, fixed_batch)})
+            statistics = snapshot(model, criterion, fixed_batch, real_queries_and_keys)
+            record["stats"].append({"update": trainer.get_num_updates(), **statistics})
 
         start = time.time()
         take_snapshot()
@@ -162,7 +172,7 @@ def train_run(bin_dir, arm, lr, seed, updates, warmup, stats_interval, log):
                 f"{arm} lr {lr:g} seed {seed} | first non-finite output on the last batch: {record['first_non_finite']}"
             )
         record["final_loss_scale"] = float(scaler.loss_scale)
-        record["max_logit"] = max(lr_sweep._finite(v for s in record["stats"] for v in s["max_logit"].values()))
+        record["max_logit"] = max(sweep._finite(v for s in record["stats"] for v in s["max_logit"].values()))
         record["seconds"] = round(time.time() - start, 1)
         record["torch_threads"] = torch.get_num_threads()
     return record
@@ -223,8 +233,8 @@ def progress_line(record):
     return (
         f"{record['arm']} lr {record['lr']:g} seed {record['seed']} | update {s['update']} | "
         f"attempts {len(record['applied'])} ({skipped} skipped) | loss scale {record['loss_scale'][-1]:g} | "
-        f"loss {lr_sweep._fmt(record['loss'][-1], '.3f')} | fp16 fixed-batch loss {lr_sweep._fmt(s['fp16_loss'], '.3f')} | "
-        f"max logit {lr_sweep._fmt(max(s['max_logit'].values()), '.2f')}"
+        f"loss {sweep._fmt(record['loss'][-1], '.3f')} | fp16 fixed-batch loss {sweep._fmt(s['fp16_loss'], '.3f')} | "
+        f"max logit {sweep._fmt(max(s['max_logit'].values()), '.2f')}"
     )
 
 
@@ -238,7 +248,7 @@ def applied_losses(run):
 def summarize(run):
     """One table row."""
     losses = applied_losses(run)
-    window = lr_sweep.WINDOW
+    window = sweep.WINDOW
     final = sum(losses[-window:]) / window if run["outcome"] == "finished" and len(losses) >= window else math.nan
     return {
         "arm": run["arm"],
@@ -254,7 +264,7 @@ def summarize(run):
         "max_logit": run["max_logit"],
         # the first update whose snapshot saw a logit past fp16's range (float32 copy)
         "past_fp16_at": next(
-            (s["update"] for s in run["stats"] if max(lr_sweep._finite(s["max_logit"].values()), default=0) > FP16_MAX),
+            (s["update"] for s in run["stats"] if max(sweep._finite(s["max_logit"].values()), default=0) > FP16_MAX),
             None,
         ),
     }
@@ -265,7 +275,7 @@ def fp32_runs(path=FP32_RESULTS):
     if not path.exists():
         return {}, None
     data = json.loads(path.read_text(encoding="utf-8"))
-    return {(r["arm"], r["lr"], r["seed"]): lr_sweep.summarize(r) for r in data["runs"]}, data["settings"]
+    return {(r["arm"], r["lr"], r["seed"]): sweep.summarize(r) for r in data["runs"]}, data["settings"]
 
 
 def markdown_table(runs, fp32):
@@ -278,13 +288,13 @@ def markdown_table(runs, fp32):
         ref = fp32.get((row["arm"], row["lr"], row["seed"]))
         outcome = row["outcome"] + (f" at update {row['stopped_at_update']}" if row["stopped_at_update"] else "")
         fp32_final = (
-            "-" if ref is None else lr_sweep._fmt(ref["final"], ".3f") + (" (diverged)" if ref["diverged"] else "")
+            "-" if ref is None else sweep._fmt(ref["final"], ".3f") + (" (diverged)" if ref["diverged"] else "")
         )
         lines.append(
             f"| {row['arm']} | {row['lr']:g} | {row['seed']} | {outcome} | {row['updates']} | {row['skipped']} | "
-            f"{row['first_scale']:g} -> {row['final_scale']:g} | {lr_sweep._fmt(row['final'], '.3f')} | "
-            f"{lr_sweep._fmt(row['max_logit'], '.1f')} | {row['past_fp16_at'] if row['past_fp16_at'] is not None else '-'} | "
-            f"{fp32_final} | {'-' if ref is None else lr_sweep._fmt(ref['max_logit'], '.1f')} |"
+            f"{row['first_scale']:g} -> {row['final_scale']:g} | {sweep._fmt(row['final'], '.3f')} | "
+            f"{sweep._fmt(row['max_logit'], '.1f')} | {row['past_fp16_at'] if row['past_fp16_at'] is not None else '-'} | "
+            f"{fp32_final} | {'-' if ref is None else sweep._fmt(ref['max_logit'], '.1f')} |"
         )
     return "\n".join(lines)
 
@@ -372,11 +382,11 @@ def parse_args(argv=None):
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    lr_sweep.add_sweep_args(parser, ARMS, DEFAULT_LRS, updates=300, warmup_updates=75, stats_interval=10, threads=1)
+    sweep.add_sweep_args(parser, ARMS, DEFAULT_LRS, updates=300, warmup_updates=75, stats_interval=10, threads=1)
     parser.add_argument("--work-dir", type=Path, required=True, help="data (generated and binarized once)")
     parser.add_argument("--out-dir", type=Path, required=True, help="results.json and the figures")
     args = parser.parse_args(argv)
-    lr_sweep.check_sweep_args(parser, args)
+    sweep.check_sweep_args(parser, args)
     return args
 
 
@@ -390,21 +400,19 @@ def main(argv=None):
         "stats_sentences": lr_sweep.STATS_SENTENCES,
         "precision": "--fp16",
     }
-    command = "python -m experiments.fp16_sweep " + shlex.join(sys.argv[1:] if argv is None else argv)
-    runs, log = lr_sweep.run_sweep(
-        "fp16_sweep", args, settings, command, lambda: lr_sweep.prepare_data(args.work_dir), train_run
-    )
+    prepare = lambda: lr_sweep.prepare_data(args.work_dir)  # noqa: E731
+    runs = sweep.run_sweep(SWEEP, args, argv, settings, prepare, train=train_run)
     fp32, fp32_settings = fp32_runs()
     same = fp32_settings is not None and all(fp32_settings.get(k) == v for k, v in settings.items() if k != "precision")
     run_length = ("updates", "warmup_updates", "stats_interval")
     same = same and all(fp32_settings[k] == getattr(args, k) for k in run_length)
     if not same:
-        log(f"{FP32_RESULTS} ran other settings: no fp32 runs beside these")
+        SWEEP.log(f"{FP32_RESULTS.name} of the fp32 sweep ran other settings: no fp32 runs beside these")
         fp32 = {}
     plot_loss_scale(runs, args.out_dir / "loss_scale.png")
     plot_max_logit(runs, fp32, args.out_dir / "max_logit_vs_lr.png")
     print(markdown_table(runs, fp32))
-    log(
+    SWEEP.log(
         f"wrote {args.out_dir / 'results.json'}, {args.out_dir / 'loss_scale.png'}, {args.out_dir / 'max_logit_vs_lr.png'}"
     )
 

@@ -465,12 +465,14 @@ def finished_runs(results_path, settings):
     return old["runs"]
 
 
-def run_sweep(sweep, args, argv, settings, prepare, named_paths=None):
+def run_sweep(sweep, args, argv, settings, prepare, named_paths=None, train=None):
     """Train every (seed, arm, learning rate) of args not yet in OUT/results.json, saving it after
     each run so that a stopped sweep continues where it stopped; returns all runs. settings: what
     else makes runs comparable (the model, the data); prepare() makes the binarized data and returns
     its folder; argv: the sweep's command line, recorded with --work-dir as $WORK and each path of
-    named_paths ({path: name}) as its name."""
+    named_paths ({path: name}) as its name; train: another way to train one run (train_run's
+    signature and record keys arm, lr, seed; the fp16 sweep's records its own way)."""
+    train = train or train_run
     settings = {
         "updates": args.updates,
         "warmup_updates": args.warmup_updates,
@@ -517,7 +519,7 @@ def run_sweep(sweep, args, argv, settings, prepare, named_paths=None):
                 if any(r["arm"] == arm and r["lr"] == lr and r["seed"] == seed for r in runs):
                     continue
                 runs.append(
-                    train_run(
+                    train(
                         sweep,
                         bin_dir,
                         args.work_dir,

@@ -17,18 +17,25 @@ MODULES = ["encoder self 0", "encoder self 1", "decoder self 0", "decoder self 1
 
 
 @pytest.fixture(scope="module")
-def bin_dir(tmp_path_factory):
-    return lr_sweep.prepare_data(tmp_path_factory.mktemp("fp16_sweep_work"))
+def work(tmp_path_factory):
+    work = tmp_path_factory.mktemp("fp16_sweep_work")
+    lr_sweep.prepare_data(work)
+    return work
 
 
-def test_a_run_records_every_attempted_update_and_its_loss_scale(bin_dir):
-    run = fp16_sweep.train_run(bin_dir, "qknorm", 0.01, 1, 3, 2, 2, log=lambda line: None)
+def train_run(work, arm, lr, seed, updates, warmup, stats_interval):
+    return fp16_sweep.train_run(fp16_sweep.SWEEP, work / "bin", work, arm, lr, seed, updates, warmup, stats_interval)
+
+
+def test_a_run_records_every_attempted_update_and_its_loss_scale(work):
+    run = train_run(work, "qknorm", 0.01, 1, 3, 2, 2)
     assert run["outcome"] == "finished" and run["stopped_at_update"] is None and run["error"] is None
     assert run["applied"].count(True) == 3
     assert len(run["loss"]) == len(run["applied"]) == len(run["loss_scale"])
     assert run["loss_scale"][0] == 128.0  # fairseq's default initial scale
     assert all(0 < loss < 20 for loss in run["loss"])
-    assert "--fp16" in run["command"].split() and "USER_DIR" in run["command"]
+    assert run["command"].startswith("fairseq-train $WORK/bin --user-dir $USER_DIR ")
+    assert run["command"].split()[-1] == "--fp16"
     assert [s["update"] for s in run["stats"]] == [0, 2, 3]
     for s in run["stats"]:
         assert list(s["max_logit"]) == MODULES and 0 < s["fp16_loss"] < 20
@@ -37,13 +44,13 @@ def test_a_run_records_every_attempted_update_and_its_loss_scale(bin_dir):
     assert run["max_logit"] == max(v for s in run["stats"] for v in s["max_logit"].values())
 
 
-def test_minimum_loss_scale_is_recorded_as_the_outcome(bin_dir, monkeypatch):
+def test_minimum_loss_scale_is_recorded_as_the_outcome(work, monkeypatch):
     # Overflowing from the first update, with a minimum one halving away: fairseq's own
     # FloatingPointError, whatever its NaN-detector rerun raises after it.
     flags = fp16_sweep.fairseq_flags
     forced = ["--fp16-init-scale", "1000000", "--min-loss-scale", "500000"]
     monkeypatch.setattr(fp16_sweep, "fairseq_flags", lambda *a: [*flags(*a), *forced])
-    run = fp16_sweep.train_run(bin_dir, "stock", 0.01, 1, 3, 2, 2, log=lambda line: None)
+    run = train_run(work, "stock", 0.01, 1, 3, 2, 2)
     assert run["outcome"] == "minimum loss scale" and run["stopped_at_update"] == 1
     assert run["error"].startswith("FloatingPointError: Minimum loss scale reached (500000.0)")
     assert run["applied"] == [False] and run["loss_scale"] == [1e6] and run["final_loss_scale"] == 1e6
