@@ -35,8 +35,9 @@ ARMS = {
     "stock": ("transformer", {}),
     "stock_control": ("transformer", {}),  # stock in a second process: the noise floor
     # Generation only: fairseq's transformer with the beamable cross attention (one copy of the
-    # encoder's keys and values per sentence) that SequenceGenerator switches on for
-    # transformer_qknorm but not for fairseq's transformer, which lacks set_beam_size. The
+    # encoder's keys and values per sentence) that transformer_qknorm always uses in a search and
+    # fairseq's transformer never (SequenceGenerator switches it on through set_beam_size, which
+    # fairseq's transformer lacks; stock_beamable calls it by hand). The
     # like-for-like reference for what QK-norm itself costs in beam search.
     "stock_beamable": ("transformer", {}),
     **{name: ("transformer_qknorm", flags) for name, flags in QK_VARIANTS.items()},

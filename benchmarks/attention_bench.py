@@ -96,12 +96,15 @@ class AttentionBench:
         enc_mask = padding_mask(self._lengths(sentences, cache), cache, self.device).repeat_interleave(beam, dim=0)
 
         def attend_to_source(module, state):
+            if type(module) is QKNormAttention:  # the plugin's decoder gives it one copy per sentence
+                kw = dict(key_padding_mask=enc_mask[::beam], incremental_state=state, static_kv=True)
+                return module(x, enc[:, ::beam], enc[:, ::beam], need_weights=False, **kw)
             kw = dict(key_padding_mask=enc_mask, incremental_state=state, static_kv=True, need_weights=False)
             return module(x, enc, enc, **kw)
 
         def make(module):
             module.eval()
-            module.set_beam_size(beam)
+            module.set_beam_size(beam)  # fairseq's MultiheadAttention: one copy per sentence
             state = {}
             with torch.no_grad():  # fill the cache once, as the first steps would
                 if cross:

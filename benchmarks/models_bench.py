@@ -99,7 +99,23 @@ class GenerateBench:
         )
         if job["arm"] == "stock_beamable":
             self.model.decoder.set_beam_size(beam)
-        beamable = any(getattr(m, "beam_size", 1) > 1 for m in self.model.modules())
+        # Warm-up: every code path of a generation, for two steps only. It also tells whether cross
+        # attention kept one copy of the encoder's keys per sentence: fairseq's by a beam size set
+        # on the module, the plugin's by being given one copy per sentence.
+        shared = []
+        hooks = [
+            m.register_forward_pre_hook(
+                lambda module, args, kwargs: shared.append(kwargs["key"].size(1) < kwargs["query"].size(1)),
+                with_kwargs=True,
+            )
+            for m in self.model.modules()
+            if getattr(m, "encoder_decoder_attention", False)
+        ]
+        warm = SequenceGenerator([self.model], dictionary, beam_size=beam, max_len_a=0, max_len_b=2, min_len=2)
+        warm.generate([self.model], self.sample)
+        for hook in hooks:
+            hook.remove()
+        beamable = any(shared) or any(getattr(m, "beam_size", 1) > 1 for m in self.model.modules())
         self.info = {
             "units": 1,
             "sentences": len(data),
@@ -108,9 +124,6 @@ class GenerateBench:
             "beamable": beamable,
             "parameters": sum(p.numel() for p in self.model.parameters()),
         }
-        # Warm-up: every code path of a generation, for two steps only.
-        warm = SequenceGenerator([self.model], dictionary, beam_size=beam, max_len_a=0, max_len_b=2, min_len=2)
-        warm.generate([self.model], self.sample)
 
     def generate(self):
         self.hypos = self.generator.generate([self.model], self.sample)

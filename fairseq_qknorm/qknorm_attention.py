@@ -2,7 +2,8 @@
 
 Per head, q and k are normalized along the head dimension and their dot products are multiplied by
 a learned scalar g instead of 1/sqrt(d). V is untouched. QKNormAttention subclasses fairseq's
-MultiheadAttention: its projections, parameters and incremental cache are fairseq's.
+MultiheadAttention: its projections, parameters and incremental cache are fairseq's; beam search's
+reordering of the cache is rewritten for keys shared by the hypotheses of one sentence.
 """
 
 from typing import Dict, Optional, Tuple
@@ -18,6 +19,8 @@ from .lean_norms import affine_norm, unit_norm
 
 QK_NORMS = ("l2", "layernorm", "rmsnorm", "none")
 QK_SCALES = ("learned", "fixed", "none")
+# The key of the cross-attention cache that holds how many hypotheses share one row.
+BEAM_SIZE = "beam_size"
 
 
 def scaled_norm(x: Tensor, g: Optional[Tensor] = None, norm: Optional[nn.Module] = None) -> Tensor:
@@ -146,14 +149,6 @@ class QKNormAttention(MultiheadAttention):
             return saved["prev_key"], saved["prev_value"], saved["prev_key_padding_mask"]
         if self.self_attention:
             key = value = query
-        elif saved is not None and self.encoder_decoder_attention and self.beam_size > 1 and key.size(1) == bsz:
-            # Beamable cross attention, as in fairseq: every hypothesis of one sentence shares
-            # the encoder output, so keep one copy per sentence. Only while decoding step by
-            # step: beam_size stays set after a validation's beam search, and a training
-            # batch is not made of beams.
-            key = value = key[:, :: self.beam_size]
-            if key_padding_mask is not None:
-                key_padding_mask = key_padding_mask[:: self.beam_size]
         k = self._split_heads(self.k_proj(key), "k")
         v = self._split_heads(self.v_proj(value))
         if saved is not None:
@@ -166,18 +161,46 @@ class QKNormAttention(MultiheadAttention):
             # Cached keys are already normalized: no step normalizes them again.
             saved["prev_key"], saved["prev_value"] = k, v
             saved["prev_key_padding_mask"] = key_padding_mask
+            if static_kv:  # how many hypotheses share one row of this cache (see reorder_incremental_state)
+                saved[BEAM_SIZE] = torch.tensor(bsz // k.size(0))
             self._set_input_buffer(incremental_state, saved)
         return k, v, key_padding_mask
 
     def _fold_hypotheses(self, q: Tensor, kv_bsz: int) -> Tuple[Tensor, int]:
-        """(q, group): when the keys are shared by `group` hypotheses (beamable cross attention),
-        the hypotheses are folded into the query time axis: (kv_bsz, heads, group * tgt, head_dim)."""
+        """(q, group): when the keys are shared by `group` hypotheses (beamable cross attention: the
+        decoder passes one copy of the encoder output per sentence, see QKNormTransformerDecoder), the
+        hypotheses are folded into the query time axis: (kv_bsz, heads, group * tgt, head_dim)."""
         bsz, heads, tgt_len, head_dim = q.shape
         group = bsz // kv_bsz
+        if group * kv_bsz != bsz:
+            raise ValueError(f"{bsz} queries cannot share {kv_bsz} rows of keys: not a multiple")
         if group > 1:
             q = q.view(kv_bsz, group, heads, tgt_len, head_dim).transpose(1, 2)
             q = q.reshape(kv_bsz, heads, group * tgt_len, head_dim)
         return q, group
+
+    def reorder_incremental_state(
+        self, incremental_state: Dict[str, Dict[str, Optional[Tensor]]], new_order: Tensor
+    ) -> Dict[str, Dict[str, Optional[Tensor]]]:
+        """Beam search's reordering of the cache. A cross-attention cache row may be shared by the
+        BEAM_SIZE hypotheses of one sentence, stored with the cache by the search that filled it
+        (fairseq's MultiheadAttention reads a beam size set on the module instead, which the next
+        search may not reset). Hypotheses move within their sentence, where every row holds the
+        same keys: the rows change only when sentences leave the search."""
+        saved = self._get_input_buffer(incremental_state)
+        if not saved:
+            return incremental_state
+        beam = int(saved.get(BEAM_SIZE, torch.tensor(1)))
+        for name, value in saved.items():
+            if value is None or name == BEAM_SIZE:
+                continue
+            if self.encoder_decoder_attention:
+                if value.size(0) * beam == new_order.numel():
+                    continue
+                saved[name] = value.index_select(0, new_order.view(-1, beam)[:, 0] // beam)
+            else:
+                saved[name] = value.index_select(0, new_order)
+        return self._set_input_buffer(incremental_state, saved)
 
     def _unfold(self, x: Tensor, group: int, tgt_len: int) -> Tensor:
         """Undo the folding of hypotheses into time: (kv_bsz, H, group*T, S) -> (bsz, H, T, S)."""

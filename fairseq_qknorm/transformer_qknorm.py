@@ -17,7 +17,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, Trans
 from .errors import QKNormConfigError
 from .fixnorm import UnitNormEmbedding, UnitNormOutputProjection
 from .qk_flags import WatchesG, add_qk_args, as_namespace, in_range, resolve_qk_scale_init, set_qk_defaults
-from .qknorm_attention import QKNormAttention
+from .qknorm_attention import BEAM_SIZE, QKNormAttention
 from .scale_norm import use_scale_norm
 from .word_dropout import word_dropout
 
@@ -51,12 +51,6 @@ class TransformerQKNormModel(WatchesG, TransformerModel):
             )
         args.qk_scale_init = resolve_qk_scale_init(args, task)  # in the config that is saved
         return super().build_model(as_namespace(args), task)
-
-    def set_beam_size(self, beam_size):
-        """fairseq's SequenceGenerator calls this on models that have it (fairseq's transformer has
-        not): cross attention then projects and caches the encoder output once per sentence
-        instead of once per hypothesis, and beam reordering leaves that cache alone."""
-        self.decoder.set_beam_size(beam_size)
 
     def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
         qk_params = (".qk_scale.", ".q_norm.", ".k_norm.")
@@ -159,6 +153,47 @@ class QKNormTransformerEncoder(TransformerEncoderBase):
         src_tokens = word_dropout(src_tokens, self.word_dropout, self.dictionary, self.training)
         return super().forward_embedding(src_tokens, token_embedding)
 
+    def reorder_encoder_out(self, encoder_out, new_order):
+        """fairseq's reordering, which also marks the output with the beam size of the search.
+
+        fairseq's SequenceGenerator starts every search by repeating each sentence's encoder
+        output once per hypothesis (new_order = 0,0,..,1,1,..: BEAM times each) and then reorders
+        it at every step within the same search. The output of that first call carries BEAM under
+        BEAM_SIZE, and every later reordering keeps it: the decoder learns the beam size of the
+        running search from its own encoder output (beamable cross attention), never from an
+        earlier search."""
+        reordered = super().reorder_encoder_out(encoder_out, new_order)
+        beam = encoder_out.get(BEAM_SIZE) or beam_of_first_reordering(encoder_out, new_order)
+        if beam:
+            reordered[BEAM_SIZE] = beam
+        return reordered
+
+
+def beam_of_first_reordering(encoder_out, new_order):
+    """[BEAM] when new_order repeats each sentence BEAM > 1 times in a row, else None."""
+    if not encoder_out["encoder_out"]:
+        return None
+    sentences, hypotheses = encoder_out["encoder_out"][0].size(1), new_order.numel()
+    if hypotheses <= sentences or hypotheses % sentences:
+        return None
+    beam = hypotheses // sentences
+    repeated = torch.arange(sentences, device=new_order.device).repeat_interleave(beam)
+    return [beam] if torch.equal(new_order, repeated) else None
+
+
+def one_copy_per_sentence(encoder_out):
+    """The encoder output with the BEAM_SIZE copies of each sentence (a search's) reduced to one:
+    cross attention then projects and caches each sentence's keys and values once, shared by its
+    hypotheses. Views, no copy."""
+    beam = (encoder_out.get(BEAM_SIZE) or [1])[0]
+    if beam == 1:
+        return encoder_out
+    return dict(
+        encoder_out,
+        encoder_out=[x[:, ::beam] for x in encoder_out["encoder_out"]],
+        encoder_padding_mask=[m[::beam] for m in encoder_out["encoder_padding_mask"]],
+    )
+
 
 class QKNormTransformerDecoder(TransformerDecoderBase):
     def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False):
@@ -175,9 +210,13 @@ class QKNormTransformerDecoder(TransformerDecoderBase):
         if cfg.fixnorm and self.adaptive_softmax is None:
             self.output_projection = UnitNormOutputProjection(self.output_projection.weight)
 
-    def extract_features(self, prev_output_tokens, *args, **kwargs):
+    def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None, **kwargs):
         prev_output_tokens = word_dropout(prev_output_tokens, self.word_dropout, self.dictionary, self.training)
-        return super().extract_features(prev_output_tokens, *args, **kwargs)
+        if encoder_out is not None and incremental_state is not None and not self.cross_self_attention:
+            # Beamable cross attention, in a search only (--cross-self-attention puts the encoder
+            # output into self attention, one row per hypothesis).
+            encoder_out = one_copy_per_sentence(encoder_out)
+        return super().extract_features(prev_output_tokens, encoder_out, incremental_state, **kwargs)
 
 
 @register_model_architecture("transformer_qknorm", "transformer_qknorm")

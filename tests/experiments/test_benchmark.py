@@ -197,22 +197,24 @@ def test_plain_attention_computes_what_qknorm_computes():
             calls = [dict(query=x, key=enc, value=enc, key_padding_mask=pad, need_weights=False)]
         for call in calls:
             torch.testing.assert_close(plain(**call)[0], fused(**call)[0])
-        # Incremental decoding: three steps against the cache (beamable cross attention in QKNorm).
+        # Incremental decoding: three steps against the cache. Cross attention: QKNorm is given one
+        # copy of the encoder output per sentence (beamable, as the plugin's decoder does), the
+        # plain one a copy per hypothesis.
         states = [{}, {}]
-        fused.set_beam_size(beam)
+        cross = "encoder_decoder_attention" in kind
         for _ in range(3):
             y = torch.randn(1, 2 * beam, dim)
             outs = [
                 m(
                     y,
-                    enc if "encoder_decoder_attention" in kind else y,
-                    enc if "encoder_decoder_attention" in kind else y,
-                    key_padding_mask=pad if "encoder_decoder_attention" in kind else None,
+                    (enc[:, ::share] if cross else y),
+                    (enc[:, ::share] if cross else y),
+                    key_padding_mask=pad[::share] if cross else None,
                     incremental_state=s,
-                    static_kv="encoder_decoder_attention" in kind,
+                    static_kv=cross,
                     need_weights=False,
                 )[0]
-                for m, s in zip((fused, plain), states)
+                for m, s, share in zip((fused, plain), states, (beam, 1))
             ]
             torch.testing.assert_close(outs[1], outs[0])
 

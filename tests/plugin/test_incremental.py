@@ -70,58 +70,23 @@ def test_beam_reordering_keeps_the_cache_equal(name):
     model.double().eval()
     src, src_lengths, prev = batch(len(d))
     beam = 2
-    expand = torch.arange(BSZ).repeat_interleave(beam)  # each sentence twice, as in beam search
+    # each sentence twice, as beam search starts: the decoder then caches one copy of the keys per sentence
+    expand = torch.arange(BSZ).repeat_interleave(beam)
     enc = model.encoder.reorder_encoder_out(model.encoder(src, src_lengths=src_lengths), expand)
     prev = prev[expand].clone()
     prev[1::beam, 1:] = torch.randint(4, len(d), (BSZ, STEPS - 1))  # hypotheses diverge
-    model.decoder.set_beam_size(beam)  # fairseq's beamable cross attention: one copy of K/V per sentence
-    state, history = {}, prev[:, :1]
+    state, history, sentences = {}, prev[:, :1], BSZ
     for t in range(STEPS):
         step, _ = model.decoder(history, encoder_out=enc, incremental_state=state)
         full, _ = model.decoder(history, encoder_out=enc)
         torch.testing.assert_close(step[:, -1], full[:, -1], atol=1e-5, rtol=1e-5)
         if t + 1 < STEPS:
-            # swap the two hypotheses of every sentence, then extend them
-            order = torch.arange(BSZ * beam).view(BSZ, beam).flip(1).reshape(-1)
+            # swap the two hypotheses of every sentence (after step 2, the first sentence leaves
+            # the search, as a finished one does), then extend them
+            keep = 1 if t == 2 else 0
+            order = torch.arange(sentences * beam).view(sentences, beam)[keep:].flip(1).reshape(-1)
+            sentences -= keep
             model.decoder.reorder_incremental_state_scripting(state, order)
+            enc = model.encoder.reorder_encoder_out(enc, order)
+            prev = prev[order]
             history = torch.cat([history[order], prev[:, t + 1 : t + 2]], dim=1)
-
-
-@pytest.mark.parametrize("name", ["l2-learned", "baseline"])
-def test_beam_search_shares_cross_attention_keys_and_finds_the_same_hypotheses(name):
-    """fairseq's SequenceGenerator switches beamable cross attention on through the model's
-    set_beam_size: one copy of the encoder's keys and values per sentence. The search must find
-    what it finds with one copy per hypothesis."""
-    from fairseq.sequence_generator import SequenceGenerator
-
-    model, d = build_model(**{"vocab": 40, **VARIANTS[name]})
-    perturb(model)
-    model.double().eval()
-    src, src_lengths, _ = batch(len(d))
-    sample = {"net_input": {"src_tokens": src, "src_lengths": src_lengths}}
-    beam = 3
-    generator = SequenceGenerator([model], d, beam_size=beam, max_len_b=8)
-    cross = [layer.encoder_attn for layer in model.decoder.layers]
-    assert all(m.beam_size == beam for m in cross)
-    shared = generator.generate([model], sample)
-    model.decoder.set_beam_size(1)
-    copied = generator.generate([model], sample)
-    for a, b in zip(shared, copied):
-        for hyp_a, hyp_b in zip(a, b):
-            assert hyp_a["tokens"].tolist() == hyp_b["tokens"].tolist()
-            torch.testing.assert_close(hyp_a["score"], hyp_b["score"])
-
-
-def test_training_after_a_beam_search_does_not_share_keys():
-    """beam_size stays set on the attention modules after a validation's beam search (fairseq's
-    --eval-bleu); a training batch is not made of beams, so its forward must not change."""
-    from fairseq.sequence_generator import SequenceGenerator
-
-    model, d = build_model(vocab=40, **VARIANTS["l2-learned"])
-    perturb(model)
-    model.double().eval()
-    src, src_lengths, prev = batch(len(d))
-    before, _ = model(src, src_lengths, prev)
-    SequenceGenerator([model], d, beam_size=BSZ)  # BSZ: a batch size that is a multiple of the beam
-    after, _ = model(src, src_lengths, prev)
-    torch.testing.assert_close(after, before, atol=0, rtol=0)
