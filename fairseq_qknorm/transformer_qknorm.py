@@ -2,6 +2,7 @@
 module, plus the paper's other switches (ScaleNorm, FixNorm, word dropout). Only the builders are
 overridden; forward passes are fairseq's own."""
 
+import torch
 from fairseq.distributed import fsdp_wrap
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import (
