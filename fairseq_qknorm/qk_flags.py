@@ -47,7 +47,8 @@ def set_qk_defaults(args):
     """The defaults of the QK-norm flags not given: the paper's QK-norm. Also fills them in for
     checkpoints that predate one of them."""
     args.qk_norm = getattr(args, "qk_norm", "l2")
-    args.qk_scale = getattr(args, "qk_scale", "learned")
+    # --qk-norm none alone is fairseq's attention: a g on raw dot products only where asked for
+    args.qk_scale = getattr(args, "qk_scale", "none" if args.qk_norm == "none" else "learned")
     args.qk_scale_init = getattr(args, "qk_scale_init", "auto")
     args.qk_length_percentile = getattr(args, "qk_length_percentile", 97.5)
     args.qk_scale_per_head = getattr(args, "qk_scale_per_head", False)
@@ -129,6 +130,8 @@ def resolve_qk_scale_init(args, task) -> float:
         if not _positive_g(_number(value)):
             raise QKNormConfigError(f"--qk-scale-init: expected 'auto' or a positive finite number, got {value!r}")
         return float(value)
+    if args.qk_norm == "none":
+        return dot_product_g0(args)
     data = getattr(getattr(task, "cfg", None), "data", None)
     if not data:
         raise QKNormConfigError("--qk-scale-init auto needs the task's binarized training data; pass a number instead")
@@ -138,6 +141,52 @@ def resolve_qk_scale_init(args, task) -> float:
         f"qk-norm: L={length} ({args.qk_length_percentile:g}th percentile of '{split}' lengths) g0=log2(L^2-L)={g0:.4f}"
     )
     return g0
+
+
+def dot_product_g0(args) -> float:
+    """`auto` without a norm: g starts at fairseq's own factor 1/sqrt(head_dim), so that the model
+    starts as stock attention and learns its temperature (log2(L^2 - L) suits unit vectors, whose
+    dot products lie in [-1, 1], not raw ones)."""
+    head_dims = {
+        getattr(args, f"{side}_embed_dim") // getattr(args, f"{side}_attention_heads")
+        for side in ("encoder", "decoder")
+        if getattr(args, f"{side}_attention_heads", None)
+    }
+    if len(head_dims) != 1:
+        raise QKNormConfigError(
+            f"--qk-norm none --qk-scale-init auto: the encoder and decoder heads differ in size {sorted(head_dims)}, "
+            "so there is no one 1/sqrt(head_dim); pass --qk-scale-init FLOAT"
+        )
+    head_dim = head_dims.pop()
+    g0 = head_dim**-0.5
+    logger.info(
+        f"qk-norm: no norm, g0=1/sqrt(head_dim)=1/sqrt({head_dim})={g0:.4f} (fairseq's scaling, learned from there)"
+    )
+    return g0
+
+
+QK_PARAMETERS = (".qk_scale.", ".q_norm.", ".k_norm.")
+
+
+def check_qk_parameters(built, loaded):
+    """One line, instead of fairseq's missing / unexpected keys traceback, when the QK-norm
+    parameters of a checkpoint (LOADED) and of the model the flags build (BUILT) differ."""
+
+    def qk(keys):
+        return [k for k in keys if any(p in k for p in QK_PARAMETERS)]
+
+    missing = [k for k in qk(built) if k not in loaded]
+    if missing:
+        raise QKNormConfigError(
+            f"the checkpoint has no QK-norm parameters (e.g. {missing[0]}): it was trained without "
+            "QK-norm or with other --qk-norm/--qk-scale flags; load it with the flags it was trained with"
+        )
+    unexpected = [k for k in qk(loaded) if k not in built]
+    if unexpected:
+        raise QKNormConfigError(
+            f"the checkpoint has QK-norm parameters that these flags do not build (e.g. {unexpected[0]}): it "
+            "was trained with other --qk-norm/--qk-scale flags; load it with the flags it was trained with"
+        )
 
 
 def as_namespace(args):
@@ -150,7 +199,13 @@ def as_namespace(args):
 
 class WatchesG:
     """For the plugin's models (listed first among the bases): the watch on a learned g, which
-    fairseq's trainer runs before every update through set_num_updates."""
+    fairseq's trainer runs before every update through set_num_updates, and the one-line refusal of
+    a checkpoint whose QK-norm parameters the flags do not build."""
+
+    def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
+        if strict:
+            check_qk_parameters(self.state_dict(), state_dict)
+        return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
 
     def set_num_updates(self, num_updates):
         super().set_num_updates(num_updates)

@@ -61,7 +61,7 @@ class TransformerLMQKNormModel(WatchesG, TransformerLanguageModel):
 def resolve_lm_qk_scale_init(args, task) -> float:
     """--qk-scale-init as a number; `auto` takes L from the samples the task builds (read once, at
     training time: the number replaces `auto` in the saved args)."""
-    if args.qk_scale == "none" or args.qk_scale_init != "auto":
+    if args.qk_scale == "none" or args.qk_scale_init != "auto" or args.qk_norm == "none":
         return resolve_qk_scale_init(args, task)
     check_qk_flags(args)
     split = getattr(args, "train_subset", None) or "train"

@@ -53,16 +53,6 @@ class TransformerQKNormModel(WatchesG, TransformerModel):
         args.qk_scale_init = resolve_qk_scale_init(args, task)  # in the config that is saved
         return super().build_model(as_namespace(args), task)
 
-    def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
-        qk_params = (".qk_scale.", ".q_norm.", ".k_norm.")
-        missing = [k for k in self.state_dict() if any(p in k for p in qk_params) and k not in state_dict]
-        if strict and missing:
-            raise QKNormConfigError(
-                f"the checkpoint has no QK-norm parameters (e.g. {missing[0]}): it was trained without "
-                "QK-norm or with other --qk-norm/--qk-scale flags; load it with the flags it was trained with"
-            )
-        return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
-
     @classmethod
     def build_embedding(cls, args, dictionary, embed_dim, path=None):
         if not getattr(args, "fixnorm", False):
