@@ -8,10 +8,11 @@ import logging
 import math
 
 import torch
+from fairseq import utils
 from omegaconf import OmegaConf
 
 from .errors import QKNormConfigError
-from .length_prior import g0_from_data
+from .length_prior import g0_from_pairs, pairs_within, training_pairs
 from .qknorm_attention import QK_NORMS, QK_SCALES
 
 logger = logging.getLogger(__name__)
@@ -132,13 +133,31 @@ def resolve_qk_scale_init(args, task) -> float:
         return float(value)
     if args.qk_norm == "none":
         return dot_product_g0(args)
-    data = getattr(getattr(task, "cfg", None), "data", None)
-    if not data:
-        raise QKNormConfigError("--qk-scale-init auto needs the task's binarized training data; pass a number instead")
     split = getattr(args, "train_subset", None) or "train"
-    length, g0 = g0_from_data(data, split, task.cfg.source_lang, task.cfg.target_lang, args.qk_length_percentile)
+    pairs = training_pairs(task, split)
+    # Only the pairs fairseq-train keeps: it skips those longer than these (trainer.get_train_iterator).
+    max_positions = utils.resolve_max_positions(
+        task.max_positions(),
+        (getattr(args, "max_source_positions", None), getattr(args, "max_target_positions", None)),
+        getattr(args, "max_tokens", None),
+    )
+    kept, skipped = pairs_within(pairs, max_positions)
+    if not any(len(src) for src, _ in kept.values()):
+        raise QKNormConfigError(
+            f"--qk-scale-init auto: every '{split}' pair is longer than the maximum positions {max_positions} "
+            "(--max-source-positions, --max-target-positions, --max-tokens)"
+        )
+    length, g0 = g0_from_pairs(kept, args.qk_length_percentile)
+    counts = ", ".join(
+        f"{name} {len(kept[name][0])}" + (f" of {len(src)}" if skipped else "") for name, (src, _) in pairs.items()
+    )
+    if skipped:
+        counts += (
+            f"; {skipped} longer than the maximum positions {max_positions} are skipped, as fairseq-train skips them"
+        )
     logger.info(
-        f"qk-norm: L={length} ({args.qk_length_percentile:g}th percentile of '{split}' lengths) g0=log2(L^2-L)={g0:.4f}"
+        f"qk-norm: L={length} ({args.qk_length_percentile:g}th percentile of the '{split}' pairs' lengths: "
+        f"{counts}) g0=log2(L^2-L)={g0:.4f}"
     )
     return g0
 

@@ -23,7 +23,10 @@ def test_train_logs_L_and_g0_and_saves_g0(trained):
 
     _, save = trained
     log = (save / "train.log").read_text()
-    m = re.search(r"qk-norm: L=(\d+) \(97.5th percentile of 'train' lengths\) g0=log2\(L\^2-L\)=([\d.]+)", log)
+    pattern = (
+        r"qk-norm: L=(\d+) \(97.5th percentile of the 'train' pairs' lengths: src-tgt 800\) g0=log2\(L\^2-L\)=([\d.]+)"
+    )
+    m = re.search(pattern, log)
     assert m, log[-3000:]
     length, g0 = int(m.group(1)), float(m.group(2))
     # L is the 97.5th percentile (an observed length) of the longer side's subword counts: counted

@@ -1,7 +1,9 @@
 """g0 = log2(L^2 - L) with L a percentile of the training lengths, read from binarized data."""
 
 import math
+import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ from conftest import train
 from fairseq.data import indexed_dataset
 
 import fairseq_qknorm  # noqa: F401
-from fairseq_qknorm.length_prior import g0_for_length, g0_from_data, length_from_g0, length_percentile
+from fairseq_qknorm.length_prior import g0_for_length, g0_from_pairs, length_from_g0, length_percentile, training_pairs
 
 
 def test_paper_value():
@@ -32,6 +34,19 @@ def write_split(prefix, lengths):
     builder.finalize(f"{prefix}.idx")
 
 
+def translation_task(data, src="de", tgt="en", **cfg):
+    """fairseq's translation task on DATA (folders separated by ':'), as fairseq-train sets it up."""
+    from fairseq.tasks.translation import TranslationConfig, TranslationTask
+
+    first = data.split(":")[0]
+    for lang in (src, tgt):
+        (Path(first) / f"dict.{lang}.txt").write_text("w 1\n")
+    cfg = TranslationConfig(
+        data=data, source_lang=src, target_lang=tgt, dataset_impl="mmap", train_subset="train", **cfg
+    )
+    return TranslationTask.setup_task(cfg)
+
+
 @pytest.mark.parametrize("percentile", [97.5, 99, 50])
 def test_auto_L_is_the_exact_percentile_of_the_longer_side(tmp_path, percentile):
     rng = np.random.default_rng(0)
@@ -40,15 +55,16 @@ def test_auto_L_is_the_exact_percentile_of_the_longer_side(tmp_path, percentile)
     write_split(tmp_path / "train.de-en.de", src)
     write_split(tmp_path / "train.de-en.en", tgt)
     want = max(lower_percentile(src, percentile), lower_percentile(tgt, percentile))
-    length, g0 = g0_from_data(str(tmp_path), "train", "de", "en", percentile)
+    length, g0 = g0_from_pairs(training_pairs(translation_task(str(tmp_path)), "train"), percentile)
     assert length == want
     assert g0 == pytest.approx(math.log2(want * want - want))
-    # sharded --data (colon-separated): the lengths of every shard count
+    # sharded --data (colon-separated): fairseq reads one shard per epoch; the lengths of every shard count
     other = tmp_path / "shard2"
     other.mkdir()
     write_split(other / "train.de-en.de", [200] * 537)
     write_split(other / "train.de-en.en", [1] * 537)
-    length, _ = g0_from_data(f"{tmp_path}:{other}", "train", "de", "en", percentile)
+    pairs = training_pairs(translation_task(f"{tmp_path}:{other}"), "train")
+    length, _ = g0_from_pairs(pairs, percentile)
     assert length == max(lower_percentile(src + [200] * 537, percentile), lower_percentile(tgt + [1] * 537, percentile))
 
 
@@ -66,7 +82,7 @@ def test_auto_without_a_training_split_is_one_clear_line(toy_bin, tmp_path):
     proc = train(data, tmp_path / "ckpt", max_update=1, check=False)
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert err[-1].startswith("error: --qk-scale-init auto: no training split 'train.src-tgt.src.idx'"), err[-3:]
+    assert err[-1].startswith(f"error: --qk-scale-init auto: no training split 'train' in {data} ("), err[-3:]
 
 
 @pytest.mark.parametrize(
@@ -83,3 +99,47 @@ def test_bad_flag_values_are_refused_by_the_parser(toy_bin, tmp_path, flag, valu
     proc = train(toy_bin / "bin", tmp_path / "ckpt", max_update=1, extra=[flag, value], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"argument {flag}" in proc.stderr.strip().splitlines()[-1]
+
+
+def binarized_tokens(prefix):
+    """Token counts (without </s>) of a fairseq-preprocess'ed file, read without fairseq's tasks."""
+    dataset = indexed_dataset.MMapIndexedDataset(str(prefix))  # sizes is a view of its memory map: keep it open
+    return (dataset.sizes - 1).tolist()
+
+
+def test_auto_on_fairseqs_multilingual_task(toy_bin, tmp_path):
+    """translation_multi_simple_epoch, as fairseq's multilingual examples train: L over the pairs
+    of every direction, each sentence one token longer for its language token on either side."""
+    data = toy_bin / "bin"
+    flags = ["--task", "translation_multi_simple_epoch", "--lang-pairs", "src-tgt,tgt-src", "--encoder-langtok", "src"]
+    flags += ["--decoder-langtok", "--share-all-embeddings", "--disable-validation", "--no-save"]
+    proc = train(data, tmp_path, max_update=1, extra=flags)
+    src, tgt = (binarized_tokens(data / f"train.src-tgt.{lang}") for lang in ("src", "tgt"))
+    # each side of the two directions holds both languages' sentences, plus a language token
+    want = lower_percentile([n + 1 for n in src + tgt], 97.5)
+    log = proc.stdout + proc.stderr
+    line = re.search(r"qk-norm: L=(\d+) \(97.5th percentile of the 'train' pairs' lengths: (.*?)\) g0", log)
+    assert line, log[-3000:]
+    assert int(line.group(1)) == want
+    assert line.group(2) == f"src-tgt {len(src)}, tgt-src {len(src)}"
+
+
+def test_auto_counts_only_the_pairs_fairseq_train_keeps(toy_bin, tmp_path):
+    """fairseq-train skips training pairs longer than --max-source-positions /
+    --max-target-positions (</s> included): L is measured over the others."""
+    data = toy_bin / "bin"
+    flags = ["--max-source-positions", "24", "--max-target-positions", "24", "--disable-validation", "--no-save"]
+    proc = train(data, tmp_path, max_update=1, extra=flags)
+    log = proc.stdout + proc.stderr
+    src, tgt = (np.array(binarized_tokens(data / f"train.src-tgt.{lang}")) for lang in ("src", "tgt"))
+    fits = (src + 1 <= 24) & (tgt + 1 <= 24)
+    skipped = re.search(r"(\d+) samples have invalid sizes and will be skipped", log)
+    assert skipped and int(skipped.group(1)) == (~fits).sum() > 0, log[-3000:]
+    want = max(lower_percentile(src[fits].tolist(), 97.5), lower_percentile(tgt[fits].tolist(), 97.5))
+    line = re.search(r"qk-norm: L=(\d+) \(97.5th percentile of the 'train' pairs' lengths: (.*?)\) g0", log)
+    assert line, log[-3000:]
+    assert int(line.group(1)) == want
+    assert line.group(2) == (
+        f"src-tgt {fits.sum()} of {len(src)}; {(~fits).sum()} longer than the maximum positions (24, 24) "
+        "are skipped, as fairseq-train skips them"
+    )
