@@ -22,8 +22,11 @@ def g0_for_length(length: float) -> float:
 
 
 def length_from_g0(g0: float) -> float:
-    """Inverse of g0_for_length, to report L from a checkpoint."""
-    return (1 + math.sqrt(1 + 4 * 2.0**g0)) / 2
+    """Inverse of g0_for_length, to report L from a checkpoint; inf for a g0 beyond any float length."""
+    try:
+        return (1 + math.sqrt(1 + 4 * 2.0**g0)) / 2
+    except OverflowError:
+        return math.inf
 
 
 def length_percentile(lengths, percentile: float) -> int:

@@ -12,7 +12,7 @@ from fairseq import utils
 from omegaconf import OmegaConf
 
 from .errors import QKNormConfigError
-from .length_prior import g0_from_pairs, pairs_within, training_pairs
+from .length_prior import g0_for_length, g0_from_pairs, pairs_within, training_pairs
 from .qknorm_attention import QK_NORMS, QK_SCALES
 
 logger = logging.getLogger(__name__)
@@ -130,6 +130,8 @@ def resolve_qk_scale_init(args, task) -> float:
     if value != "auto":
         if not _positive_g(_number(value)):
             raise QKNormConfigError(f"--qk-scale-init: expected 'auto' or a positive finite number, got {value!r}")
+        if args.qk_norm != "none":
+            warn_if_beyond_every_length(float(value), args)
         return float(value)
     if args.qk_norm == "none":
         return dot_product_g0(args)
@@ -160,6 +162,21 @@ def resolve_qk_scale_init(args, task) -> float:
         f"{counts}) g0=log2(L^2-L)={g0:.4f}"
     )
     return g0
+
+
+def warn_if_beyond_every_length(g0: float, args):
+    """Log one line when a numeric --qk-scale-init lies outside what `auto` could give: log2(L^2 - L)
+    for a length L from 2 to the longest the model takes. g multiplies cosine similarities: far
+    above, attention starts one-hot and training can diverge; below 1, it starts nearly uniform."""
+    positions = (getattr(args, k, None) for k in ("max_source_positions", "max_target_positions", "tokens_per_sample"))
+    longest = max((p for p in positions if p), default=1024)  # fairseq's default positions
+    high = g0_for_length(longest)
+    if not 1.0 <= g0 <= high:
+        effect = "one-hot (training may diverge)" if g0 > high else "nearly uniform"
+        logger.warning(
+            f"qk-norm: --qk-scale-init {g0:g} is outside [1, {high:.2f}], the values log2(L^2-L) of the sentence "
+            f"lengths L from 2 to {longest} this model takes: attention starts {effect}"
+        )
 
 
 def dot_product_g0(args) -> float:

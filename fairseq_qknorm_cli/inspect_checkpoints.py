@@ -86,8 +86,6 @@ def distinct_parts(paths):
 def temperatures(path, state, name=None):
     """Every g of one checkpoint, with its g0 and L, as a JSON-ready dict; name: the system's
     name (default: from the checkpoint's config)."""
-    from fairseq_qknorm.length_prior import length_from_g0
-
     from .attention_stats import attention_module, sort_key
 
     cfg = model_config(state)
@@ -122,7 +120,7 @@ def temperatures(path, state, name=None):
         "qk_scale": getattr(cfg, "qk_scale", None),
         "per_head": rows[0]["head"] is not None,
         "g0": g0,
-        "L": length_from_g0(g0) if g0 is not None and getattr(cfg, "qk_scale", None) == "learned" else None,
+        "L": sentence_length(g0, cfg),
         "g": rows,
         "summary": {
             "count": len(gs),
@@ -136,6 +134,17 @@ def temperatures(path, state, name=None):
     }
 
 
+def sentence_length(g0, cfg):
+    """The L whose log2(L^2 - L) is g0, for a learned g on normalized q and k; None where no
+    sentence length gives g0 (a g0 below 1, or beyond any length: a number passed as --qk-scale-init)."""
+    from fairseq_qknorm.length_prior import length_from_g0
+
+    if g0 is None or getattr(cfg, "qk_scale", None) != "learned" or getattr(cfg, "qk_norm", "l2") == "none":
+        return None
+    length = length_from_g0(g0)
+    return length if g0 >= 1 and length < 1e9 else None  # no sentence is a billion tokens long (nor inf)
+
+
 def print_temperatures(t):
     g0 = t["g0"]
     print(
@@ -145,8 +154,10 @@ def print_temperatures(t):
     if t["qk_scale"] == "fixed":  # a constant, not derived from a length: nothing learned to show
         print(f"g = {g0:.4f} in every module, fixed (--qk-scale fixed --qk-scale-init {g0:g}): not learned")
         return
-    if g0 is not None:
+    if t["L"] is not None:
         print(f"g0 = {g0:.4f} = log2(L^2 - L), L = {t['L']:.0f}")
+    elif g0 is not None:
+        print(f"g0 = {g0:.4g} (log2(L^2 - L) of no sentence length L)" if t["qk_norm"] != "none" else f"g0 = {g0:.4g}")
     rows = [["module", "layer", "head", "g", "g - g0"]]
     for r in t["g"]:
         rows.append(

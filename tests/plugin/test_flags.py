@@ -159,3 +159,37 @@ def test_a_learned_g_at_or_below_zero_is_logged_once(caplog, arch, module):
         "g <= 0 turns attention towards the least similar keys (lower the learning rate, or "
         "the weight decay on g)"
     ]
+
+
+@pytest.mark.parametrize(
+    "value, effect",
+    [(5.0, None), (1.0, None), (19.99, None), (1e9, "one-hot (training may diverge)"), (0.5, "nearly uniform")],
+)
+def test_a_scale_init_no_sentence_length_gives_is_one_warning_line(caplog, value, effect):
+    from conftest import build_model
+
+    with caplog.at_level("WARNING"):
+        build_model(qk_scale_init=value)  # fairseq's default positions: 1024, g0 up to log2(1024^2 - 1024) = 19.9986
+    warnings = [r.getMessage() for r in caplog.records if "--qk-scale-init" in r.getMessage()]
+    assert warnings == (
+        []
+        if effect is None
+        else [
+            f"qk-norm: --qk-scale-init {value:g} is outside [1, 20.00], the values log2(L^2-L) of the sentence "
+            f"lengths L from 2 to 1024 this model takes: attention starts {effect}"
+        ]
+    )
+
+
+def test_fairseq_train_warns_and_inspect_reads_a_checkpoint_with_an_absurd_scale_init(toy_bin, tmp_path):
+    from conftest import run, tool, train
+
+    flags = ["--qk-scale-init", "1e9", "--max-source-positions", "64", "--max-target-positions", "64"]
+    proc = train(toy_bin / "bin", tmp_path, max_update=1, extra=[*flags, "--disable-validation"])
+    assert (
+        "qk-norm: --qk-scale-init 1e+09 is outside [1, 11.98], the values log2(L^2-L) of the sentence lengths L "
+        "from 2 to 64 this model takes: attention starts one-hot (training may diverge)"
+    ) in proc.stdout + proc.stderr
+    shown = run([tool("fairseq-qknorm-inspect"), "g", tmp_path / "checkpoint_last.pt"], check=False)
+    assert shown.returncode == 0 and "Traceback" not in shown.stderr, shown.stderr[-3000:]
+    assert shown.stdout.splitlines()[1] == "g0 = 1e+09 (log2(L^2 - L) of no sentence length L)"
