@@ -24,15 +24,16 @@ import fairseq_qknorm  # noqa: F401  (registers the models, installs the CPU fp1
 from fairseq_qknorm import fairseq_patches
 from fairseq_qknorm.qknorm_attention import QKScale
 
-# The per-head LayerNorm / RMSNorm give q and k a norm of about sqrt(head_dim), and `none` keeps
-# q.k as it is: times the auto g0 (about 8 on the toy corpus) their first logits saturate the
-# softmax. g0 = 2 keeps these tiny models well conditioned; l2 takes the paper's auto g0.
+# The per-head LayerNorm / RMSNorm give q and k a norm of about sqrt(head_dim): times the auto g0
+# (about 8 on the toy corpus) their first logits saturate the softmax. g0 = 2 keeps these tiny
+# models well conditioned; l2 takes the paper's auto g0. `none` is a learned g on raw q.k (without
+# --qk-scale learned, --qk-norm none is stock attention, which has no g to keep in float32).
 # fmt: off
 VARIANTS = {
     "l2": ["--arch", "transformer_qknorm", *TINY_MODEL, "--qk-norm", "l2"],
     "layernorm": ["--arch", "transformer_qknorm", *TINY_MODEL, "--qk-norm", "layernorm", "--qk-scale-init", "2"],
     "rmsnorm": ["--arch", "transformer_qknorm", *TINY_MODEL, "--qk-norm", "rmsnorm", "--qk-scale-init", "2"],
-    "none": ["--arch", "transformer_qknorm", *TINY_MODEL, "--qk-norm", "none", "--qk-scale-init", "2"],
+    "none": ["--arch", "transformer_qknorm", *TINY_MODEL, "--qk-norm", "none", "--qk-scale", "learned", "--qk-scale-init", "2"],
     "lm": [
         "--task", "language_modeling", "--arch", "transformer_lm_qknorm_gpt2_tiny", "--decoder-attention-heads", "4",
         "--tokens-per-sample", "48", "--sample-break-mode", "none", "--dropout", "0", "--attention-dropout", "0",
