@@ -4,11 +4,13 @@ QK-norm prevent it? (Wortsman et al. 2023 trace such instabilities to attention 
 without bound; fp16's largest number is 65,504.)
 
     python -m experiments.fp16_sweep --work-dir work/fp16_sweep --out-dir examples/fp16_sweep \\
-        [--arms stock qknorm qk_layernorm] [--lrs 0.03 0.1 0.3] [--seeds 1 2] [--updates 300] [--threads 1]
+        [--arms stock qknorm qk_layernorm] [--lrs 0.03 0.1 0.3] [--seeds 1 2] [--updates 300] [--threads 1] \\
+        [--device cuda]
 
 The runs are the fp32 sweep's (experiments.lr_sweep, a configuration of the sweep engine
 experiments/sweep.py: same model, data, optimizer, schedule, no gradient clipping, same seeds), with
-`--fp16` added, and their own training loop: fairseq's FP16Optimizer (fp16 model, fp32
+`--fp16` added (and, with --device cuda, without `--cpu`: fairseq's fp16 on real kernels), and
+their own training loop: fairseq's FP16Optimizer (fp16 model, fp32
 master weights) and its dynamic loss scaler at fairseq's defaults (initial scale 128, halved on
 every overflow, the update skipped; minimum 1e-4). On a machine without CUDA the plugin lets
 fairseq run this on the CPU (fairseq_qknorm/fairseq_patches.py, "--fp16 on the CPU").
@@ -22,20 +24,28 @@ computed on a float32 copy of the fp16 weights (so that a logit past 65,504 is m
 and the loss of the fp16 model itself on that batch. Writes OUT/results.json (after every run; a
 rerun with the same settings skips the runs there), OUT/loss_scale.png and OUT/max_logit_vs_lr.png,
 and prints the table beside the fp32 sweep's runs of the same arm, rate and seed.
+
+A sweep run in parts, one process per arm and seed as the GPU call (examples/ted/gl-en-2x2-gpu/)
+runs it, becomes one results.json and its figures with
+
+    python -m experiments.fp16_sweep merge PART/results.json... --out-dir OUT --command "what ran them"
 """
 
+import argparse
 import copy
 import dataclasses
+import functools
 import json
 import math
 import shlex
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from experiments import lr_sweep, sweep
 from fairseq_qknorm import USER_DIR
-from fairseq_qknorm_cli.files import atomic_path
+from fairseq_qknorm_cli.files import atomic_path, fail
 
 ARMS = lr_sweep.ARMS
 # The fp32 sweep's stock logits passed fp16's largest number at 0.3 (up to 1.7e6) and stayed below
@@ -47,9 +57,10 @@ MINIMUM_LOSS_SCALE = "Minimum loss scale reached"
 SWEEP = dataclasses.replace(lr_sweep.SWEEP, name="fp16_sweep", lrs=DEFAULT_LRS, threads=1)
 
 
-def fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir):
-    """The fp32 sweep's fairseq-train flags of this run, with --fp16."""
-    return [*SWEEP.fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir), "--fp16"]
+def fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir, device="cpu"):
+    """The fp32 sweep's fairseq-train flags of this run, with --fp16 (and on CUDA, without --cpu)."""
+    flags = [*SWEEP.fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir), "--fp16"]
+    return flags if device == "cpu" else [f for f in flags if f != "--cpu"]
 
 
 def snapshot(model, criterion, sample):
@@ -65,16 +76,19 @@ def snapshot(model, criterion, sample):
     return {**stats, "fp16_loss": loss if math.isfinite(loss) else None}
 
 
-def train_run(config, bin_dir, work_dir, arm, lr, seed, updates, warmup, stats_interval):
-    """Train one arm at one peak learning rate in fp16; returns its record for results.json (the
-    arguments of the engine's sweep.train_run)."""
+def train_run(config, bin_dir, work_dir, arm, lr, seed, updates, warmup, stats_interval, device="cpu"):
+    """Train one arm at one peak learning rate in fp16 on device; returns its record for
+    results.json (the arguments of the engine's sweep.train_run)."""
     import torch
+    from fairseq import utils
 
     log = config.log
 
     with tempfile.TemporaryDirectory(prefix="fp16_sweep_") as save_dir:
-        flags = fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir)
+        flags = fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir, device)
         cfg, task, model, criterion, trainer, epoch_itr, fixed_batch = sweep.build_run(flags, seed, config.stats_items)
+        if device == "cuda":  # the Trainer moved the model; the statistics' batch follows it
+            fixed_batch = utils.move_to_cuda(fixed_batch)
 
         # The forward loss of every attempted update, also of one the loss scaler then skips
         # (Trainer.train_step returns None for those).
@@ -302,7 +316,15 @@ def plot_max_logit(runs, fp32, path):
 # Command line
 # ---------------------------------------------------------------------------------------------
 def parse_args(argv=None):
-    return sweep.parse_args(sweep.argument_parser(SWEEP, __doc__), argv)
+    parser = sweep.argument_parser(SWEEP, __doc__)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the runs train")
+    args = sweep.parse_args(parser, argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch sees no CUDA device here")
+    return args
 
 
 def main(argv=None):
@@ -315,21 +337,74 @@ def main(argv=None):
         "stats_sentences": lr_sweep.STATS_SENTENCES,
         "precision": "--fp16",
     }
-    runs = sweep.run_sweep(SWEEP, args, argv, settings, lambda: lr_sweep.prepare_data(args.work_dir), train=train_run)
+    if args.device == "cuda":  # other kernels: runs on the CPU and on CUDA are not one table
+        import torch
+
+        settings["device"] = f"cuda: {torch.cuda.get_device_name()}"
+    train = functools.partial(train_run, device=args.device)
+    runs = sweep.run_sweep(SWEEP, args, argv, settings, lambda: lr_sweep.prepare_data(args.work_dir), train=train)
+    report(runs, {**settings, **{k: getattr(args, k) for k in RUN_LENGTH}}, args.out_dir)
+
+
+RUN_LENGTH = ("updates", "warmup_updates", "stats_interval")
+
+
+def report(runs, settings, out_dir):
+    """The figures in out_dir, and the table printed, beside the fp32 sweep's runs where it ran the
+    same settings."""
     fp32, fp32_settings = fp32_runs()
-    same = fp32_settings is not None and all(fp32_settings.get(k) == v for k, v in settings.items() if k != "precision")
-    run_length = ("updates", "warmup_updates", "stats_interval")
-    same = same and all(fp32_settings[k] == getattr(args, k) for k in run_length)
+    same = fp32_settings is not None and all(
+        fp32_settings.get(k) == v for k, v in settings.items() if k not in ("precision", "device")
+    )
     if not same:
         SWEEP.log(f"{FP32_RESULTS} ran other settings: no fp32 runs beside these")
         fp32 = {}
-    plot_loss_scale(runs, args.out_dir / "loss_scale.png")
-    plot_max_logit(runs, fp32, args.out_dir / "max_logit_vs_lr.png")
+    plot_loss_scale(runs, out_dir / "loss_scale.png")
+    plot_max_logit(runs, fp32, out_dir / "max_logit_vs_lr.png")
     print(markdown_table(runs, fp32))
-    SWEEP.log(
-        f"wrote {args.out_dir / 'results.json'}, {args.out_dir / 'loss_scale.png'}, {args.out_dir / 'max_logit_vs_lr.png'}"
+    SWEEP.log(f"wrote {out_dir / 'results.json'}, {out_dir / 'loss_scale.png'}, {out_dir / 'max_logit_vs_lr.png'}")
+
+
+def merge(parts, out_dir, command):
+    """One sweep from the results.json of processes that each ran a part of it (the GPU call runs
+    one per arm and seed): their settings must agree, and no run may come twice. Writes
+    OUT/results.json, with `command` for what ran the parts, and the figures."""
+    loaded = [json.loads(Path(p).read_text(encoding="utf-8")) for p in parts]
+    settings = loaded[0]["settings"]
+    for path, data in zip(parts, loaded):
+        if data["settings"] != settings:
+            fail(f"{path}: its settings differ from those of {parts[0]}")
+    runs = sorted(
+        (r for data in loaded for r in data["runs"]), key=lambda r: (list(ARMS).index(r["arm"]), r["lr"], r["seed"])
     )
+    keys = [(r["arm"], r["lr"], r["seed"]) for r in runs]
+    if len(set(keys)) != len(keys):
+        fail(f"{', '.join(map(str, parts))}: a run comes more than once")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sweep.write_json(
+        out_dir / "results.json",
+        {"command": command, "settings": settings, "machine": loaded[0]["machine"], "runs": runs},
+    )
+    report(runs, settings, out_dir)
+    return runs
+
+
+def merge_main(argv):
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.fp16_sweep merge", description=merge.__doc__.split(":")[0]
+    )
+    parser.add_argument("parts", nargs="+", type=Path, metavar="RESULTS_JSON")
+    parser.add_argument("--out-dir", type=Path, required=True, help="where results.json and the figures go")
+    parser.add_argument("--command", required=True, help="what ran the parts, for the record")
+    args = parser.parse_args(argv)
+    for path in args.parts:
+        if not path.is_file():
+            parser.error(f"{path}: no such file")
+    merge(args.parts, args.out_dir, args.command)
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["merge"]:
+        merge_main(sys.argv[2:])
+    else:
+        main()

@@ -36,3 +36,22 @@ def test_tiny_fp16_sweep_records_every_attempted_update(tmp_path):
     again = run([*SWEEP, "--work-dir", work, "--out-dir", out, *TINY, "--threads", "1"])
     assert "keeping 2 finished runs" in again.stdout and "update 2 | attempts" not in again.stdout
     assert json.loads((out / "results.json").read_text())["runs"] == results["runs"]
+
+    # The same sweep run in two parts (one process per arm, as the GPU call does), merged
+    parts = []
+    for i, r in enumerate(results["runs"]):
+        parts.append(tmp_path / f"part{i}.json")
+        parts[-1].write_text(json.dumps({**results, "runs": [r]}))
+    merged = run([*SWEEP, "merge", *reversed(parts), "--out-dir", tmp_path / "merged", "--command", "two parts"])
+    assert json.loads((tmp_path / "merged" / "results.json").read_text())["runs"] == results["runs"]
+    assert "| stock | 0.1 | 1 | finished | 3 |" in merged.stdout
+    assert (tmp_path / "merged" / "loss_scale.png").is_file()
+
+
+def test_on_cuda_the_runs_are_the_same_but_for_cpu(tmp_path):
+    from experiments.fp16_sweep import fairseq_flags, parse_args
+
+    on_cpu = fairseq_flags("BIN", "qknorm", 0.3, 1, 300, 75, "SAVE")
+    on_cuda = fairseq_flags("BIN", "qknorm", 0.3, 1, 300, 75, "SAVE", device="cuda")
+    assert "--cpu" in on_cpu and [f for f in on_cpu if f != "--cpu"] == on_cuda and on_cuda[-1] == "--fp16"
+    assert parse_args(["--work-dir", str(tmp_path), "--out-dir", str(tmp_path)]).device == "cpu"

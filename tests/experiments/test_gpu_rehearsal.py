@@ -4,8 +4,9 @@ without network runs it: a fresh environment holding the GPU image's packages, a
 nor this project, so that the call installs both from the wheels of scripts/gpu_wheels.sh; `python3`
 alone on PATH; a copy of the working tree as the call carries it, with .gpu-data prepared
 beforehand, whose data steps the call must skip; three seeds at the smoke preset under a time limit
-that decides the budget; and two injected failures (tests/experiments/fault_injection): the benchmark exits 1
-without writing its JSON, and one run is killed at its first checkpoint. The call must still train,
+that decides the budget; the fp16 sweep beside the runs, one tiny run per arm and seed; and two
+injected failures (tests/experiments/fault_injection): the benchmark exits 1 without writing its
+JSON, and one run is killed at its first checkpoint. The call must still train,
 record and pack every other run, run the checks after the runs, and end within its time limit.
 
 It installs from the package index and trains 24 small runs on the CPU, so it runs only when asked:
@@ -138,6 +139,9 @@ def rehearsal():
         "MAX_EPOCHS": "",  # the time limit decides
         "TIME_LIMIT": str(TIME_LIMIT),
         "PRECISION": PRECISION,
+        # The fp16 sweep beside the runs, as on CUDA, but one tiny run per process: fp16 on a CPU is slow.
+        "FP16_SWEEP": "1",
+        "FP16_SWEEP_FLAGS": "--lrs 0.3 --updates 4 --warmup-updates 2 --stats-interval 2",
         "PYTHONPATH": str(tree / "tests" / "experiments" / "fault_injection"),
         "FAIL_MODULE": "benchmarks.run",
         "FAIRSEQ_KILL_DURING": "save:1",
@@ -237,3 +241,15 @@ def test_the_checks_come_after_the_runs_and_the_failed_benchmark_is_logged(rehea
     assert "checks: benchmark exit 1: error: benchmarks.run: failure injected" in log
     assert "checks: mixed-precision tests exit 0" in log
     assert not list(out.glob("benchmark-*.json"))
+
+
+def test_the_fp16_sweep_ran_beside_and_came_back(rehearsal):
+    with tarfile.open(rehearsal["out"] / "fp16-sweep.tar.gz") as tar:
+        tar.extractall(rehearsal["unpacked"], filter="data")
+    sweep = rehearsal["unpacked"] / "fp16-sweep"
+    for arm in ("stock", "qknorm", "qk_layernorm"):
+        for seed in (1, 2):
+            runs = json.loads((sweep / f"{arm}-seed{seed}" / "results.json").read_text())["runs"]
+            assert [(r["arm"], r["lr"], r["seed"], r["outcome"]) for r in runs] == [(arm, 0.3, seed, "finished")]
+    assert not (sweep / "data").exists()  # the generated corpus stays there
+    assert "fp16 sweep: packed into" in rehearsal["log"]

@@ -18,6 +18,9 @@
 #      hypotheses); OUT/gl-en-2x2-gpu.tar.gz (records/ and logs/) is rewritten as each run lands;
 #   4. in the CHECK_SECONDS kept for them and whatever else is left: the CUDA mixed-precision tests
 #      and a small benchmark (train and generate, the training's precision), side by side.
+# Beside steps 2-4, on FP16_SWEEP_CORES cores of their own: the fp16 learning-rate sweep
+# (experiments/fp16_sweep.py: stock attention, QKNorm and QK LayerNorm at peak rates 0.3, 0.1, 0.03,
+# two seeds) on CUDA, one process per arm and seed, until the end; OUT/fp16-sweep.tar.gz.
 # Every step has its own time limit; a failed or slow check, or a failed run, is logged and the call
 # goes on. The exit status is 0 when every run was recorded and both checks passed.
 # `prepare`: sentencepiece and fairseq-preprocess on DATA_DIR into .gpu-data/, which then travels
@@ -26,7 +29,8 @@
 # Settings (environment): TIME_LIMIT (seconds for the whole command, default 540), SEEDS (default: as
 #   many as the cores allow, at most 3), PRECISION (fp16 on a GPU, bf16 on a CPU), LR (default 1e-3,
 #   as ../gl-en-2x2), DEV_POINTS (default 4), PROBE_UPDATES (default 100), MAX_EPOCHS (none),
-#   CHECK_SECONDS (time kept for the checks, default 90; 0: none), END_RESERVE (seconds kept after
+#   CHECK_SECONDS (time kept for the checks, default 90; 0: none), FP16_SWEEP (1: run the fp16 sweep;
+#   default 1 on CUDA), FP16_SWEEP_CORES (default 6), FP16_SWEEP_FLAGS (more flags for it), END_RESERVE (seconds kept after
 #   training for translating and recording; default: what the probe took), OUT (default
 #   work/gl-en-2x2-gpu), DATA_DIR, WORK (default .gpu-data), and common.sh's values (MAX_TOKENS, ...).
 #   SMOKE=1: the smoke preset's tiny model, one seed and at most 2 epochs, a dry run of every step on
@@ -89,11 +93,16 @@ settings() {
     else
         BASE_PRESET=paper_controlled RECORD_PRESET=paper-gpu
         TIME_LIMIT=${TIME_LIMIT:-540} PROBE_UPDATES=${PROBE_UPDATES:-100} LOG_INTERVAL=${LOG_INTERVAL:-20}
-        MAX_EPOCHS=${MAX_EPOCHS:-} SEEDS=${SEEDS:-$(python -m experiments.gpu_budget seeds)} CHECK_SECONDS=${CHECK_SECONDS:-90}
+        MAX_EPOCHS=${MAX_EPOCHS:-} CHECK_SECONDS=${CHECK_SECONDS:-90}
     fi
+    local cuda=0
+    python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' && cuda=1
+    FP16_SWEEP=${FP16_SWEEP:-$cuda} FP16_SWEEP_CORES=${FP16_SWEEP_CORES:-6}
+    [ "$FP16_SWEEP" = 1 ] || FP16_SWEEP_CORES=0
+    [ "$SMOKE" = 1 ] || SEEDS=${SEEDS:-$(python -m experiments.gpu_budget seeds --cores $(($(nproc) - FP16_SWEEP_CORES)))}
     if [ -z "${PRECISION:-}" ]; then  # fp16 needs CUDA; bf16 on CUDA has not run yet
         PRECISION=bf16
-        python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' && PRECISION=fp16
+        [ "$cuda" = 0 ] || PRECISION=fp16
     fi
     case $PRECISION in bf16|fp16) ;; *) die "PRECISION=$PRECISION: expected bf16 or fp16" ;; esac
     local n
@@ -176,14 +185,18 @@ one() {
 # launch PHASE UNTIL: every run without a record, side by side, a moment apart (their start-ups read
 # the same files), each killed with all it started at UNTIL (epoch seconds); prints how many failed.
 launch() {
-    local phase=$1 until=$2 norm attention seed pids=() failed=0 pid
+    local phase=$1 until=$2 norm attention seed pids=() names=() failed=0 i status
     while read -r norm attention seed; do
         timeout -k 5 "$(seconds_until "$until")" bash "$here/run.sh" one "$phase" "$norm" "$attention" "$seed" \
             2> >(sed -u "s/^/[$norm+$attention seed $seed] /" >&2) >&2 &
-        pids+=("$!")
+        pids+=("$!") names+=("$norm + $attention, seed $seed")
         sleep 0.3
     done < <(python -m experiments.gl_en_2x2 pending "$RECORDS" --seeds $SEEDS)
-    for pid in "${pids[@]}"; do wait "$pid" || failed=$((failed + 1)); done
+    for i in "${!pids[@]}"; do
+        status=0
+        wait "${pids[$i]}" || status=$?
+        [ "$status" = 0 ] || { failed=$((failed + 1)); log "$phase: ${names[$i]}: exit $status$(timed_out "$status")"; }
+    done
     echo "$failed"
 }
 
@@ -222,6 +235,43 @@ checks() {
     return 0
 }
 
+# fp16_sweep UNTIL: the fp16 learning-rate sweep in the background, one process per arm and seed
+# (results.json rewritten after every run, so what finished by UNTIL comes back); sets SWEEP_PID.
+# Its data is made once, before the processes start. fp16_sweep_pack: its folder into OUT.
+fp16_sweep() {
+    local until=$1 dir=$WORK/fp16-sweep device=cuda arm seed flags
+    [[ " $DEVICE_FLAGS " != *" --cpu "* ]] || device=cpu
+    read -ra flags <<< "${FP16_SWEEP_FLAGS:-}"
+    rm -rf "$dir"
+    mkdir -p "$dir"
+    log "fp16 sweep: stock, qknorm, qk_layernorm x seeds 1 2, peak rates 0.3 0.1 0.03${FP16_SWEEP_FLAGS:+ ($FP16_SWEEP_FLAGS)}, on $device, beside the 2x2, until the end"
+    (
+        cd "$ROOT"
+        timeout -k 5 "$(seconds_until "$until")" python -c \
+            'import sys; from pathlib import Path; from experiments.lr_sweep import prepare_data; prepare_data(Path(sys.argv[1]))' \
+            "$dir/data" > "$dir/prepare.log" 2>&1 || { echo "fp16 sweep: no data ($dir/prepare.log)" >> "$dir/prepare.log"; exit 1; }
+        for seed in 1 2; do
+            for arm in stock qknorm qk_layernorm; do
+                mkdir -p "$dir/$arm-seed$seed"
+                timeout -k 5 "$(seconds_until "$until")" python -m experiments.fp16_sweep --device "$device" \
+                    --work-dir "$dir/data" --out-dir "$dir/$arm-seed$seed" --arms "$arm" --seeds "$seed" \
+                    --lrs 0.3 0.1 0.03 "${flags[@]}" > "$dir/$arm-seed$seed/sweep.log" 2>&1 &
+            done
+        done
+        wait
+    ) &
+    SWEEP_PID=$!
+}
+
+fp16_sweep_pack() {
+    local dir=$WORK/fp16-sweep runs
+    [ -d "$dir" ] || return 0
+    runs=$(cat "$dir"/*/results.json 2> /dev/null | grep -o '"outcome": "[a-z ]*"' | sort | uniq -c | tr -s ' ' | paste -sd, -) || true
+    tar -czf "$OUT/fp16-sweep.tar.gz" --exclude=fp16-sweep/data -C "$WORK" fp16-sweep \
+        && log "fp16 sweep: packed into $OUT/fp16-sweep.tar.gz (runs by outcome:${runs:- none})" \
+        || log "warning: packing the fp16 sweep failed (above)"
+}
+
 timed_out() { [ "$1" != 124 ] && [ "$1" != 137 ] || echo " (timed out)"; }
 
 run_all() {
@@ -238,9 +288,11 @@ run_all() {
     export USER_DIR DEVICE_FLAGS OUT STAGE=$WORK/gpu-run RECORDS=$WORK/gpu-run/records LOGS=$WORK/gpu-run/logs \
         PROBE_RECORDS=$WORK/probe-records
     prepare
-    rm -rf "$STAGE" "$WORK/probe" "$PROBE_RECORDS" "$WORK/arms" "$OUT/$PACK"
+    rm -rf "$STAGE" "$WORK/probe" "$PROBE_RECORDS" "$WORK/arms" "$OUT/$PACK" "$OUT/fp16-sweep.tar.gz"
     mkdir -p "$RECORDS" "$LOGS" "$PROBE_RECORDS"
     local end=$((START + TIME_LIMIT)) recorded_by runs probed=() dir failed budget
+    SWEEP_PID=
+    [ "$FP16_SWEEP" != 1 ] || fp16_sweep $((end - FINISH_SECONDS - 5))
     recorded_by=$((end - CHECK_SECONDS - FINISH_SECONDS))  # every run translated and recorded by then
     runs=$(python -m experiments.gl_en_2x2 pending "$RECORDS" --seeds $SEEDS | wc -l) || die "no list of runs (above)"
     log "probe: $runs runs (seeds $SEEDS) side by side: $PROBE_UPDATES updates, one validation, the test set translated and recorded"
@@ -272,6 +324,10 @@ run_all() {
     pack
     log "runs: $((runs - failed)) of $runs recorded in $(($(date +%s) - START)) s; records and logs in $OUT/$PACK"
     checks $((end - $(date +%s) - 5))
+    if [ -n "$SWEEP_PID" ]; then
+        wait "$SWEEP_PID" || true
+        fp16_sweep_pack
+    fi
     log "done in $(($(date +%s) - START)) s"
     [ "$failed" = 0 ] && [ "$CHECKS_FAILED" = 0 ] || die "$failed run(s) failed, checks failed: $CHECKS_FAILED (logs above and in $OUT)"
 }
