@@ -41,6 +41,7 @@ import shlex
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 from experiments import lr_sweep, sweep
@@ -143,6 +144,7 @@ def train_run(config, bin_dir, work_dir, arm, lr, seed, updates, warmup, stats_i
                     applied = False
                     record["outcome"] = "failed"
                     record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                    log(f"{arm} lr {lr:g} seed {seed} | {traceback.format_exc()}")
                 loss = forward.get("loss")
                 record["loss"].append(loss if loss is not None and math.isfinite(loss) else None)
                 record["applied"].append(applied)

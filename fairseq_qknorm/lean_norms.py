@@ -103,8 +103,9 @@ class ScaledAffineNorm(torch.autograd.Function):
         w, b = weight.to(acc), None if bias is None else bias.to(acc)
         if g is not None and g.dim() == 0:  # a scalar g goes into the kernel's weight and bias
             w, b, g = w * g, None if b is None else b * g, None
-        if center:  # one fused kernel, in float32 for a bfloat16 x too (its mixed-type path)
-            y, _, rstd = torch.native_layer_norm(x, x.shape[-1:], w, b, eps)
+        if center:  # one fused kernel, in float32 (CUDA's takes no float32 weight beside a half x)
+            y, _, rstd = torch.native_layer_norm(x.to(acc), x.shape[-1:], w, b, eps)
+            y = y.to(x.dtype)
         else:
             xf = x.to(acc)
             rstd = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(x.size(-1)).add_(eps).rsqrt_()

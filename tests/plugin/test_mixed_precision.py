@@ -61,7 +61,11 @@ def test_half_model_stays_close_to_float32_with_padding_and_in_beam_search(train
     task.load_dataset("test")
     dataset = task.dataset("test")
     batch = dataset.collater([dataset[i] for i in range(16)])  # source lengths differ: padding
-    batch = {k: ({n: t.to(device) for n, t in v.items()} if k == "net_input" else v) for k, v in batch.items()}
+    # every tensor on the device: beam search indexes the batch's ids with the device's indices
+    batch = {
+        k: {n: t.to(device) for n, t in v.items()} if k == "net_input" else v.to(device) if torch.is_tensor(v) else v
+        for k, v in batch.items()
+    }
     net = batch["net_input"]
     assert (net["src_tokens"] == task.source_dictionary.pad()).any()
     with torch.no_grad():
