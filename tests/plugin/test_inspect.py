@@ -4,6 +4,7 @@ titles name each system and do not overlap, and bad input gets one clear line.""
 
 import json
 import math
+import sys
 from argparse import Namespace
 
 import pytest
@@ -192,6 +193,19 @@ def test_each_subcommand_refuses_what_it_cannot_use(tmp_path, capsys):
     assert usage_error(capsys, "stats", ckpt, "--data", tmp_path, "--sentence", "a b").endswith(
         "unrecognized arguments: --sentence a b"
     )  # heatmaps' flag, not stats'
+
+
+@pytest.mark.parametrize("command", ["heatmaps", "g-history"])
+def test_figures_without_matplotlib_say_which_extra_to_install(tmp_path, monkeypatch, command):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    args = {
+        "heatmaps": [tmp_path / "ckpt.pt", "--sentence", "a b", "--spm", tmp_path / "ckpt.pt"],
+        "g-history": [tmp_path],
+    }[command]
+    (tmp_path / "ckpt.pt").write_bytes(b"")
+    with pytest.raises(SystemExit) as exit_:
+        inspect_cli.main([command, *map(str, args), "--png-dir", str(tmp_path / "png")])
+    assert exit_.value.code == "error: --png-dir needs matplotlib: pip install 'fairseq-qknorm[plot]'"
 
 
 def test_system_names_come_from_the_config():
