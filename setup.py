@@ -23,6 +23,9 @@ setup(
         "numpy",
         "sentencepiece",
         "sacrebleu>=2.0",
+        # fairseq's moses tokenizer and detokenizer (--eval-bleu-detok moses, as its IWSLT'14 example
+        # trains); pure Python: it needs click, joblib, regex and tqdm, no torch
+        "sacremoses",
         # fairseq's own needs, as ve-fairseq declares them, less torchaudio
         "bitarray",
         "cffi",

@@ -1,7 +1,7 @@
 """The QK-norm flags, written once for the translation model (transformer_qknorm.py) and the language
 model (transformer_lm_qknorm.py): the command-line flags and their checks, their defaults, `auto`
-made a number from the training data, the configuration as fairseq's builders read it, and the
-watch on a learned g during training."""
+made a number from the training data, the configuration as fairseq's builders read it, the watch
+on a learned g during training, and the g0 a loaded g started from."""
 
 import argparse
 import logging
@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from .errors import QKNormConfigError
 from .length_prior import g0_for_length, g0_from_pairs, pairs_within, training_pairs
-from .qknorm_attention import QK_NORMS, QK_SCALES
+from .qknorm_attention import QK_NORMS, QK_SCALES, QKScale
 
 logger = logging.getLogger(__name__)
 
@@ -202,14 +202,16 @@ def dot_product_g0(args) -> float:
 
 
 QK_PARAMETERS = (".qk_scale.", ".q_norm.", ".k_norm.")
+G0 = ".qk_scale.g0"  # saved beside g; older checkpoints hold g alone (QKScale fills g0 in)
 
 
 def check_qk_parameters(built, loaded):
     """One line, instead of fairseq's missing / unexpected keys traceback, when the QK-norm
-    parameters of a checkpoint (LOADED) and of the model the flags build (BUILT) differ."""
+    parameters of a checkpoint (LOADED) and of the model the flags build (BUILT) differ. g0 follows
+    its g: a checkpoint with or without it is judged by its g."""
 
     def qk(keys):
-        return [k for k in keys if any(p in k for p in QK_PARAMETERS)]
+        return [k for k in keys if any(p in k for p in QK_PARAMETERS) and not k.endswith(G0)]
 
     missing = [k for k in qk(built) if k not in loaded]
     if missing:
@@ -235,17 +237,41 @@ def as_namespace(args):
 
 class WatchesG:
     """For the plugin's models (listed first among the bases): the watch on a learned g, which
-    fairseq's trainer runs before every update through set_num_updates, and the one-line refusal of
-    a checkpoint whose QK-norm parameters the flags do not build."""
+    fairseq's trainer runs before every update through set_num_updates, the one-line refusal of
+    a checkpoint whose QK-norm parameters the flags do not build, and the g0 of a loaded g recorded
+    in the config that is saved."""
 
     def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
         if strict:
             check_qk_parameters(self.state_dict(), state_dict)
-        return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
+        built = initial_g(self)
+        loaded = super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
+        record_loaded_g0(self, built, model_cfg)
+        return loaded
 
     def set_num_updates(self, num_updates):
         super().set_num_updates(num_updates)
         warn_if_g_not_positive(self, num_updates)
+
+
+def initial_g(model):
+    """The g0 of the model's g (one flag sets them all), or None where it has no g."""
+    return next((m.g0.item() for m in model.modules() if isinstance(m, QKScale)), None)
+
+
+def record_loaded_g0(model, built, cfg):
+    """After a checkpoint's state is loaded into MODEL, built with g0 BUILT: fairseq keeps the
+    loaded g (--restore-file, a resume, --finetune-from-model), and with it the g0 it started from.
+    CFG, the model's config as fairseq saves it in the next checkpoint, then names that g0, not this
+    run's --qk-scale-init, so that g - g0 is what training did to g."""
+    loaded = initial_g(model)
+    if loaded == built or cfg is None:
+        return
+    logger.info(
+        f"qk-norm: the loaded g started from g0={loaded:.4f}, not from this model's --qk-scale-init {built:g}; "
+        f"the saved config records g0={loaded:.4f}"
+    )
+    cfg.qk_scale_init = loaded
 
 
 def warn_if_g_not_positive(model, num_updates):

@@ -229,7 +229,11 @@ class QKNormAttention(MultiheadAttention):
 
 class QKScale(nn.Module):
     """The scalar g (or one per head), kept in float32 whatever dtype the model is cast to:
-    near g = 12 the spacing of fp16 is ~0.008 and of bf16 ~0.06, so small updates would vanish."""
+    near g = 12 the spacing of fp16 is ~0.008 and of bf16 ~0.06, so small updates would vanish.
+
+    g0, saved beside g, is the value g started from. fairseq loads a checkpoint's g into a model
+    built with this run's --qk-scale-init (--restore-file, a resume, --finetune-from-model): g0 comes
+    along with g, and qk_flags.WatchesG records it in the config saved with the model."""
 
     def __init__(self, init: float, num_heads: int, per_head: bool, learned: bool):
         super().__init__()
@@ -238,6 +242,8 @@ class QKScale(nn.Module):
             self.g = nn.Parameter(g)
         else:
             self.register_buffer("g", g)
+        self.register_buffer("g0", torch.tensor(float(init)))
+        self.register_load_state_dict_pre_hook(_g0_of_older_checkpoints)
 
     def _apply(self, fn, recurse=True):
         # Follow .to(device) / .cuda(), but not .half() / .bfloat16() / .to(dtype).
@@ -253,3 +259,10 @@ class QKScale(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return (x.float() * self.value).type_as(x)
+
+
+def _g0_of_older_checkpoints(module, state_dict, prefix, *args):
+    # A checkpoint saved before g0 was holds g alone: its g started, as far as anyone can tell, from
+    # the --qk-scale-init of the model it is loaded into.
+    if prefix + "g" in state_dict and prefix + "g0" not in state_dict:
+        state_dict[prefix + "g0"] = module.g0.clone()

@@ -77,6 +77,7 @@ def resolve_lm_qk_scale_init(args, task) -> float:
         )
     if getattr(task.args, "add_bos_token", False):
         length += 1  # the task puts <s> in front of every sample
+        source += ", +1 for the <s> of --add-bos-token"
     g0 = g0_for_length(length)
     logger.info(f"qk-norm: L={length} ({source}) g0=log2(L^2-L)={g0:.4f}")
     return g0

@@ -85,10 +85,19 @@ def distinct_parts(paths):
 
 def temperatures(path, state, name=None):
     """Every g of one checkpoint, with its g0 and L, as a JSON-ready dict; name: the system's
-    name (default: from the checkpoint's config)."""
+    name (default: from the checkpoint's config). "g" is empty for a checkpoint without one
+    (fairseq's stock attention, --qk-scale none)."""
     from .attention_stats import attention_module, sort_key
 
     cfg = model_config(state)
+    found = {
+        "checkpoint": path,
+        "name": name or system_name(cfg),
+        "arch": getattr(cfg, "arch", None),
+        "num_updates": num_updates(state),
+        "qk_norm": getattr(cfg, "qk_norm", None),
+        "qk_scale": getattr(cfg, "qk_scale", None),
+    }
     rows = []
     for key, value in state["model"].items():
         if not key.endswith(G_SUFFIX):
@@ -101,23 +110,14 @@ def temperatures(path, state, name=None):
         for head, g in enumerate(values):
             rows.append({"module": where[0], "layer": where[1], "head": head if per_head else None, "g": g})
     if not rows:
-        fail(
-            f"{path} has no QKNorm temperature g (no '*{G_SUFFIX}' parameter; "
-            f"arch {getattr(cfg, 'arch', '?')}, {system_name(cfg)}); "
-            "`fairseq-qknorm-inspect stats` gives attention statistics for any checkpoint"
-        )
+        return {**found, "g": []}
     rows.sort(key=lambda r: (sort_key((r["module"], r["layer"])), r["head"] or 0))
     g0 = getattr(cfg, "qk_scale_init", None)
     g0 = float(g0) if isinstance(g0, (int, float)) else None  # 'auto' only in pre-build configs
     gs = [r["g"] for r in rows]
     low, high = G_RANGE
     return {
-        "checkpoint": path,
-        "name": name or system_name(cfg),
-        "arch": getattr(cfg, "arch", None),
-        "num_updates": num_updates(state),
-        "qk_norm": getattr(cfg, "qk_norm", None),
-        "qk_scale": getattr(cfg, "qk_scale", None),
+        **found,
         "per_head": rows[0]["head"] is not None,
         "g0": g0,
         "L": sentence_length(g0, cfg),
@@ -134,6 +134,14 @@ def temperatures(path, state, name=None):
     }
 
 
+def without_g(t):
+    """What to say of a checkpoint without a temperature g (temperatures' "g" empty)."""
+    return (
+        f"{t['checkpoint']} has no QKNorm temperature g (no '*{G_SUFFIX}' parameter; arch {t['arch']}, "
+        f"{t['name']}); `fairseq-qknorm-inspect stats` gives attention statistics for any checkpoint"
+    )
+
+
 def sentence_length(g0, cfg):
     """The L whose log2(L^2 - L) is g0, for a learned g on normalized q and k; None where no
     sentence length gives g0 (a g0 below 1, or beyond any length: a number passed as --qk-scale-init)."""
@@ -146,6 +154,10 @@ def sentence_length(g0, cfg):
 
 
 def print_temperatures(t):
+    if not t["g"]:  # among several checkpoints (one alone is an error)
+        print(f"{t['name']} ({t['checkpoint']}): {t['arch']}, {t['num_updates']} updates")
+        print(without_g(t))
+        return
     g0 = t["g0"]
     print(
         f"{t['name']} ({t['checkpoint']}): {t['arch']}, {t['num_updates']} updates, "
@@ -405,6 +417,8 @@ def g_history(args):
     points = {}
     for path in paths:
         t = temperatures(path, load_checkpoint(path))
+        if not t["g"]:
+            fail(without_g(t))
         if t["num_updates"] is None:
             fail(f"{path}: no num_updates in its optimizer_history")
         points.setdefault(t["num_updates"], t)  # checkpoint_last/best repeat an epoch's update count
@@ -541,6 +555,8 @@ def main(argv=None):
     if args.command == "g":
         names = args.labels or [None] * len(args.checkpoints)
         result = [temperatures(path, load_checkpoint(path), name) for path, name in zip(args.checkpoints, names)]
+        if len(result) == 1 and not result[0]["g"]:
+            fail(without_g(result[0]))
     elif args.command == "g-history":
         result = g_history(args)
     else:

@@ -1,6 +1,6 @@
 """PNG figures for fairseq-qknorm-inspect: attention heatmaps of one sentence (checkpoints side by
 side, one row per layer) and the learned temperature g over training. matplotlib is an optional
-extra (`pip install fairseq-qknorm[plot]`); it is imported only here, only when a figure is drawn.
+extra (`pip install 'fairseq-qknorm[plot]'`); it is imported only here, only when a figure is drawn.
 Figures are drawn without pyplot (no global state, no display needed) and written to a temporary
 name, then renamed, so a PNG on disk is always complete."""
 
@@ -117,11 +117,19 @@ def g_history(path, title, updates, series, g0, reference_range):
         label=f"{low:g}-{high:g}: g of trained QKNorm heads (Bricken & Pehlevan)",
     )
     ax.set_ylim(bottom, top)
-    ax.set_title(_wrap(title, G_HISTORY_INCHES[0]))
+    fig.suptitle(_wrap(title, G_HISTORY_INCHES[0]))
     ax.set_xlabel("training updates")
     ax.set_ylabel("learned temperature g")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small", ncol=2 if len(labelled) > 8 else 1)
+    # Beside the axes, not over them: every point of every line stays visible (the constrained
+    # layout narrows the axes to make room).
+    ax.legend(
+        loc="upper left",
+        bbox_to_anchor=(1.02, 1),
+        borderaxespad=0,
+        fontsize="small",
+        ncol=2 if len(labelled) > 12 else 1,
+    )
     return _save(fig, path)
 
 

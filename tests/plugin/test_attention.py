@@ -200,14 +200,15 @@ def test_gradients_reach_g_and_are_finite(per_head):
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=ids)
 def test_checkpoint_names_and_shapes_are_fairseqs_plus_qknorms(variant):
-    """What a checkpoint holds: fairseq's MultiheadAttention state under its own names, plus g and
-    the per-head norms' weights under the names saved models have."""
+    """What a checkpoint holds: fairseq's MultiheadAttention state under its own names, plus g, the
+    g0 it started from, and the per-head norms' weights under the names saved models have."""
     stock = MultiheadAttention(E, H, self_attention=True).state_dict()
     ours = QKNormAttention(E, H, **variant, self_attention=True).state_dict()
     norm = {"l2": [], "none": [], "rmsnorm": ["weight"], "layernorm": ["weight", "bias"]}[variant["qk_norm"]]
     extra = {f"{side}_norm.{p}": (D,) for side in "qk" for p in norm}
     if variant["qk_scale"] != "none":
         extra["qk_scale.g"] = (H, 1, 1) if variant["qk_scale_per_head"] else ()
+        extra["qk_scale.g0"] = ()
     assert {k: tuple(v.shape) for k, v in ours.items()} == {**{k: tuple(v.shape) for k, v in stock.items()}, **extra}
 
 

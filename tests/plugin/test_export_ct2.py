@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import build_model, run, tool
-from test_lm import ARCH, lm, lm_bin  # noqa: F401  (pytest fixtures)
+from test_lm import ARCH, lm, lm_bin, lm_bos  # noqa: F401  (pytest fixtures)
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
@@ -69,21 +69,23 @@ def fairseq_model(checkpoint, data):
     return hub.eval()
 
 
-def sentences(hub, data, n=6):
+def sentences(hub, data, n=6, start="</s>"):
+    """Test sentences as fairseq scores and continues them: START w1 .. wn </s>, START the </s>
+    every sample starts from, or <s> with --add-bos-token."""
     from fairseq.data import data_utils
 
-    test = data_utils.load_indexed_dataset(str(data / "test"), hub.task.source_dictionary)
-    eos = hub.task.source_dictionary.eos()
-    return [torch.cat([torch.tensor([eos]), test[i]]) for i in range(n)]  # <eos> w1 .. wn <eos>, as fairseq scores
+    d = hub.task.source_dictionary
+    test = data_utils.load_indexed_dataset(str(data / "test"), d)
+    return [torch.cat([torch.tensor([d.index(start)]), test[i]]) for i in range(n)]
 
 
-def compare(hub, model_dir, data, compute_type="float32", diffs=None):
+def compare(hub, model_dir, data, compute_type="float32", diffs=None, start="</s>"):
     """(largest |log p| difference over every token, greedy continuations equal for every prompt);
     DIFFS, a list, gets every token's difference."""
     d = hub.task.source_dictionary
     generator = ctranslate2.Generator(str(model_dir), device="cpu", compute_type=compute_type)
     diff, same_greedy = 0.0, True
-    for tokens in sentences(hub, data):
+    for tokens in sentences(hub, data, start=start):
         with torch.no_grad():
             logits, _ = hub.models[0](tokens[None, :-1])
         ours = torch.log_softmax(logits.float(), -1)[0].gather(-1, tokens[1:, None])[:, 0].numpy()
@@ -120,6 +122,24 @@ def test_exported_model_scores_and_decodes_like_fairseq(lm, lm_bin, tmp_path, na
     export(checkpoint, lm_bin, tmp_path / "ct2")
     diff, same_greedy = compare(fairseq_model(checkpoint, lm_bin), tmp_path / "ct2", lm_bin)
     assert diff < 1e-4 and same_greedy, (diff, same_greedy)
+
+
+@pytest.mark.parametrize("add_bos_token", [False, True])
+def test_the_start_token_is_the_one_the_model_trained_with(lm, lm_bos, lm_bin, tmp_path, add_bos_token):  # noqa: F811
+    """fairseq starts every sample from </s>, or from <s> with --add-bos-token: that token is
+    CTranslate2's start token, which its results leave out, and sentences starting from it score
+    and decode as in fairseq."""
+    start = "<s>" if add_bos_token else "</s>"
+    checkpoint = (lm_bos if add_bos_token else lm)[0] / "checkpoint_last.pt"
+    export(checkpoint, lm_bin, tmp_path / "ct2")
+    hub = fairseq_model(checkpoint, lm_bin)
+    diff, same_greedy = compare(hub, tmp_path / "ct2", lm_bin, start=start)
+    assert diff < 1e-4 and same_greedy, (diff, same_greedy)
+    generator = ctranslate2.Generator(str(tmp_path / "ct2"), device="cpu")
+    prompt = [hub.task.source_dictionary[i] for i in sentences(hub, lm_bin, n=1, start=start)[0][:4].tolist()]
+    assert prompt[0] == start
+    [result] = generator.generate_batch([prompt], max_length=8, sampling_topk=1)  # the prompt in the result
+    assert result.sequences[0][:3] == prompt[1:]
 
 
 def test_int8_model_runs_close_to_fairseq(lm, lm_bin, tmp_path):  # noqa: F811

@@ -292,8 +292,10 @@ def test_first_fp16_updates_agree_with_fp32(data, tmp_path, variant):
     fp32, batches = trainer_for(fairseq_train_flags(data, variant, tmp_path))
     fp16, _ = trainer_for(fairseq_train_flags(data, variant, tmp_path, "--fp16"))
     start = {k: v.detach().clone() for k, v in fp32.get_model().state_dict().items()}
-    for k, v in fp16.get_model().state_dict().items():  # the fp32 weights rounded to fp16; g as it is
-        assert torch.equal(start[k] if k.endswith("qk_scale.g") else start[k].half().float(), v.float()), k
+    for k, v in fp16.get_model().state_dict().items():  # the fp32 weights rounded to fp16; g and g0 as they are
+        assert torch.equal(
+            start[k] if k.endswith(("qk_scale.g", "qk_scale.g0")) else start[k].half().float(), v.float()
+        ), k
 
     losses32, _ = forward_losses(fp32, batches[:3])
     losses16, applied = forward_losses(fp16, batches[:3])

@@ -1,5 +1,6 @@
 """g0 = log2(L^2 - L) with L a percentile of the training lengths, read from binarized data."""
 
+import json
 import math
 import re
 import shutil
@@ -143,3 +144,60 @@ def test_auto_counts_only_the_pairs_fairseq_train_keeps(toy_bin, tmp_path):
         f"src-tgt {fits.sum()} of {len(src)}; {(~fits).sum()} longer than the maximum positions (24, 24) "
         "are skipped, as fairseq-train skips them"
     )
+
+
+def inspected_g0(capsys, checkpoint):
+    """fairseq-qknorm-inspect g's report on CHECKPOINT, and its line that names g0 and L."""
+    from fairseq_qknorm_cli import inspect_checkpoints
+
+    inspect_checkpoints.main(["g", str(checkpoint), "--json"])
+    (report,) = json.loads(capsys.readouterr().out)
+    inspect_checkpoints.main(["g", str(checkpoint)])
+    return report, capsys.readouterr().out.splitlines()[1]
+
+
+def test_a_restored_g_keeps_the_g0_it_started_from(toy_bin, tmp_path, capsys):
+    """fairseq-train --restore-file keeps the checkpoint's g, whatever --qk-scale-init says: the
+    checkpoints it saves, and those of a resume with yet another --qk-scale-init, name the g0 that
+    g started from, and fairseq-qknorm-inspect g reports that g0 and its L."""
+    data, first, restored = toy_bin / "bin", tmp_path / "first", tmp_path / "restored"
+    quick = ["--disable-validation"]
+    train(data, first, max_update=2, extra=quick)  # auto: g0 from the training data's L
+    origin, origin_line = inspected_g0(capsys, first / "checkpoint_last.pt")
+    assert origin_line.startswith("g0 = ") and "L = " in origin_line  # e.g. g0 = 11.0782 = log2(L^2 - L), L = 47
+
+    flags = [*quick, "--restore-file", first / "checkpoint_last.pt", "--qk-scale-init", "5"]
+    proc = train(data, restored, max_update=4, extra=flags)
+    assert (
+        f"qk-norm: the loaded g started from g0={origin['g0']:.4f}, not from this model's --qk-scale-init 5; "
+        f"the saved config records g0={origin['g0']:.4f}"
+    ) in proc.stdout + proc.stderr
+    train(data, restored, max_update=6, extra=[*quick, "--qk-scale-init", "7"])  # a resume from checkpoint_last.pt
+    report, line = inspected_g0(capsys, restored / "checkpoint_last.pt")
+    assert report["num_updates"] == 6
+    assert line == origin_line
+    assert report["g0"] == pytest.approx(origin["g0"], rel=1e-7) and report["L"] == pytest.approx(origin["L"])
+    for row in report["g"]:
+        assert row["g"] != pytest.approx(report["g0"])  # trained: g - g0 is what six updates did
+
+
+@pytest.mark.parametrize("scale", ["learned", "fixed"])
+def test_a_checkpoint_saved_without_g0_still_loads(scale):
+    """A checkpoint from before g0 was saved beside g loads as fairseq loads it (strict), and its g
+    is taken to have started from the model's --qk-scale-init; one with g0 brings its own."""
+    from argparse import Namespace
+
+    from conftest import build_model
+
+    source, _ = build_model(qk_scale=scale, qk_scale_init=9.0)
+    state = source.state_dict()
+    older = {k: v for k, v in state.items() if not k.endswith(".qk_scale.g0")}
+    assert len(state) - len(older) == 6  # one g0 per attention module
+    for checkpoint, g0 in ((older, 5.0), (state, 9.0)):
+        target, _ = build_model(qk_scale=scale, qk_scale_init=5.0)
+        cfg = Namespace(qk_scale_init=5.0)
+        target.load_state_dict(checkpoint, model_cfg=cfg)
+        assert cfg.qk_scale_init == g0
+        loaded = target.state_dict()
+        assert all(torch.equal(loaded[k], v) for k, v in checkpoint.items())
+        assert all(loaded[k].item() == g0 for k in loaded if k.endswith(".qk_scale.g0"))

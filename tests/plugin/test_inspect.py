@@ -4,6 +4,7 @@ titles name each system and do not overlap, and bad input gets one clear line.""
 
 import json
 import math
+import sys
 from argparse import Namespace
 
 import pytest
@@ -127,6 +128,31 @@ def test_checkpoint_without_qknorm_gets_one_line(baseline):
     assert BASELINE in last and "fairseq-qknorm-inspect stats" in last
 
 
+def test_a_checkpoint_without_g_among_several_gets_its_line(baseline, trained, capsys):
+    _, save = trained
+    qknorm = save / "checkpoint_last.pt"
+    stock, with_g = inspect_json(capsys, "g", baseline, qknorm)
+    assert [with_g] == inspect_json(capsys, "g", qknorm)
+    assert stock == {
+        "checkpoint": str(baseline),
+        "name": BASELINE,
+        "arch": "transformer",
+        "num_updates": 3,
+        "qk_norm": None,
+        "qk_scale": None,
+        "g": [],
+    }
+    inspect_cli.main(["g", str(baseline), str(qknorm)])
+    text = capsys.readouterr().out.splitlines()
+    assert text[:3] == [
+        f"{BASELINE} ({baseline}): transformer, 3 updates",
+        f"{baseline} has no QKNorm temperature g (no '*.qk_scale.g' parameter; arch transformer, {BASELINE}); "
+        "`fairseq-qknorm-inspect stats` gives attention statistics for any checkpoint",
+        "",
+    ]
+    assert text[3].startswith(f"{QKNORM} ({qknorm}): transformer_qknorm_paper, {with_g['num_updates']} updates")
+
+
 def test_each_subcommand_refuses_what_it_cannot_use(tmp_path, capsys):
     ckpt = tmp_path / "checkpoint_best.pt"
     ckpt.write_bytes(b"")  # exists: argparse looks no further
@@ -167,6 +193,19 @@ def test_each_subcommand_refuses_what_it_cannot_use(tmp_path, capsys):
     assert usage_error(capsys, "stats", ckpt, "--data", tmp_path, "--sentence", "a b").endswith(
         "unrecognized arguments: --sentence a b"
     )  # heatmaps' flag, not stats'
+
+
+@pytest.mark.parametrize("command", ["heatmaps", "g-history"])
+def test_figures_without_matplotlib_say_which_extra_to_install(tmp_path, monkeypatch, command):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    args = {
+        "heatmaps": [tmp_path / "ckpt.pt", "--sentence", "a b", "--spm", tmp_path / "ckpt.pt"],
+        "g-history": [tmp_path],
+    }[command]
+    (tmp_path / "ckpt.pt").write_bytes(b"")
+    with pytest.raises(SystemExit) as exit_:
+        inspect_cli.main([command, *map(str, args), "--png-dir", str(tmp_path / "png")])
+    assert exit_.value.code == "error: --png-dir needs matplotlib: pip install 'fairseq-qknorm[plot]'"
 
 
 def test_system_names_come_from_the_config():
@@ -419,3 +458,24 @@ def test_g_history_is_a_valid_png(trained, tmp_path, capsys):
     last = checkpoint_g(save / "checkpoint_last.pt")
     assert len(history["g"]) == len(last) == 6
     assert history["g"]["decoder cross 1"][-1] == last["decoder.layers.1.encoder_attn.qk_scale.g"].item()
+
+
+@pytest.mark.parametrize("layers", [2, 12])
+def test_the_g_history_legend_stands_beside_the_lines(tmp_path, monkeypatch, layers):
+    figures = []
+    save_png = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or save_png(fig, path))
+    updates = [0, 100, 200]
+    series = {
+        f"{kind} {layer}": (kind, layer, [11.0, 11.5 + layer / 10, 12.0 + layer / 5])
+        for kind in ("encoder self", "decoder self", "decoder cross")
+        for layer in range(layers)
+    }
+    plots.g_history(str(tmp_path / "g.png"), "learned temperature g over training", updates, series, 11.0, (10.0, 25.0))
+    (fig,) = figures
+    (ax,) = fig.axes
+    legends = fig.legends + [ax.get_legend()] * (ax.get_legend() is not None)
+    assert len(legends) == 1 and len(legends[0].get_texts()) == len(series) + 2  # a module each, g0, the band
+    box, figure = legends[0].get_window_extent(), fig.bbox
+    assert not _overlap(box, ax.get_window_extent()) and not _overlap(box, fig._suptitle.get_window_extent())
+    assert figure.x0 <= box.x0 and box.x1 <= figure.x1 and figure.y0 <= box.y0 and box.y1 <= figure.y1

@@ -63,6 +63,14 @@ def lm(lm_bin, tmp_path_factory):
     return save, proc.stdout + proc.stderr
 
 
+@pytest.fixture(scope="module")
+def lm_bos(lm_bin, tmp_path_factory):
+    """The same LM trained with --add-bos-token (<s> in front of every sample): (save dir, training log)."""
+    save = tmp_path_factory.mktemp("lm_bos_ckpt")
+    proc = train_lm(lm_bin, save, "--add-bos-token", "--disable-validation", updates=8)
+    return save, proc.stdout + proc.stderr
+
+
 def logged_length(log):
     found = re.search(r"qk-norm: L=(\d+) \((.*)\) g0=log2\(L\^2-L\)=([\d.]+)", log)
     assert found, log[-3000:]
@@ -101,6 +109,16 @@ def test_auto_length_comes_from_the_samples_of_each_break_mode(toy_raw, lm_bin, 
     assert length == expected and f"--sample-break-mode {break_mode}" in source
     args, _ = saved_args(tmp_path / "checkpoint_last.pt")
     assert args.qk_scale_init == pytest.approx(math.log2(expected**2 - expected)) == pytest.approx(g0, abs=1e-4)
+
+
+def test_auto_length_counts_the_s_of_add_bos_token(toy_raw, lm_bos):
+    save, log = lm_bos
+    sentence_sizes = [len(line.split()) + 1 for line in (toy_raw / "train.tgt").read_text().splitlines()]
+    expected = int(np.percentile(sentence_sizes, 97.5, method="lower")) + 1  # <s> in front of each sample
+    length, source, _ = logged_length(log)
+    assert length == expected and source.endswith(", +1 for the <s> of --add-bos-token"), source
+    args, _ = saved_args(save / "checkpoint_last.pt")
+    assert args.add_bos_token and args.qk_scale_init == pytest.approx(math.log2(expected**2 - expected))
 
 
 def test_eos_blocks_build_under_numpy_2():

@@ -5,9 +5,13 @@ whose loader passes weights_only=False, as upstream fairseq main's does since it
 compatibility" change; that fairseq is built here from the installed one."""
 
 import datetime
+import logging
 import os
+import pickle
+import pickletools
 import re
 import shutil
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -280,3 +284,95 @@ def test_stock_checkpoint_with_qknorm_flags_is_one_clear_line(trained, tmp_path)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert last.startswith("error: the checkpoint has no QK-norm parameters"), proc.stderr[-2000:]
+
+
+# The allow-list, by the names pickles give its entries: what fairseq-train writes (the arguments; with
+# --eval-bleu, numpy's statistics), and what a distributed resume broadcasts (fairseq_patches.py).
+FAIRSEQ_CHECKPOINT_GLOBALS = {
+    "argparse.Namespace",
+    "numpy._core.multiarray._reconstruct",
+    "numpy.core.multiarray._reconstruct",
+    "numpy.ndarray",
+    "numpy.dtype",
+    "numpy.dtypes.Int64DType",
+    "numpy.dtypes.Float64DType",
+    "omegaconf.dictconfig.DictConfig",
+    "omegaconf.listconfig.ListConfig",
+    "omegaconf.base.ContainerMetadata",
+    "omegaconf.base.Metadata",
+    "omegaconf.nodes.AnyNode",
+    "typing.Any",
+    "builtins.dict",
+    "builtins.list",
+    "builtins.int",
+    "collections.defaultdict",
+    "fairseq.distributed.utils._TensorPlaceholder",
+}
+
+
+def pickled_name(entry):
+    """The name a pickle gives an allow-list entry: a class or function, or (object, name)."""
+    if isinstance(entry, tuple):
+        return entry[1]
+    return f"{entry.__module__}.{entry.__qualname__}"
+
+
+def test_the_allow_list_is_exactly_the_classes_fairseq_checkpoints_hold():
+    from fairseq_qknorm.fairseq_patches import fairseq_checkpoint_globals
+
+    assert {pickled_name(g) for g in fairseq_checkpoint_globals()} == FAIRSEQ_CHECKPOINT_GLOBALS
+
+
+def checkpoint_globals(path):
+    """Every global a checkpoint's pickle names, read with pickletools: nothing in it is run."""
+    with zipfile.ZipFile(path) as archive:
+        (pkl,) = [n for n in archive.namelist() if n.endswith("/data.pkl")]
+        ops = list(pickletools.genops(archive.read(pkl)))
+    assert not any(op.name == "STACK_GLOBAL" for op, _, _ in ops)  # torch.save's protocol 2 names each in one op
+    return {arg.replace(" ", ".").replace("__builtin__.", "builtins.") for op, arg, _ in ops if op.name == "GLOBAL"}
+
+
+def test_what_torch_does_not_allow_by_itself_in_a_real_checkpoint_is_on_the_list(trained):
+    """fairseq-train's checkpoint with --eval-bleu: its globals beyond torch's own are the list's."""
+    from torch._weights_only_unpickler import _get_allowed_globals
+
+    _, save = trained
+    beyond_torch = checkpoint_globals(save / "checkpoint_best.pt") - set(_get_allowed_globals())
+    assert "argparse.Namespace" in beyond_torch and "numpy.ndarray" in beyond_torch, beyond_torch
+    assert beyond_torch <= FAIRSEQ_CHECKPOINT_GLOBALS
+
+
+class Calls:
+    """A pickled call of FUNCTION(*ARGS), as a tampered checkpoint would hold it."""
+
+    def __init__(self, function, *args):
+        self.function, self.args = function, args
+
+    def __reduce__(self):
+        return self.function, self.args
+
+
+# Payloads from modules outside torch's own blocklist (sys, os, posix, nt: posix.system above is
+# refused whatever the allow-list says): only the allow-list stands between them and a run.
+NOT_BLOCKED_BY_TORCH = {
+    "exec": lambda marker: Calls(exec, f"open({str(marker)!r}, 'w').close()"),
+    "eval": lambda marker: Calls(eval, f"open({str(marker)!r}, 'w').close()"),
+    # a class that acts when built: it opens its file, creating it, or emptying it with mode "w"
+    "logging.FileHandler": lambda marker: Calls(logging.FileHandler, str(marker), "w"),
+}
+
+
+@pytest.mark.parametrize("refused", list(NOT_BLOCKED_BY_TORCH))
+def test_payloads_torch_would_run_if_allowed_are_refused(tmp_path, refused):
+    from fairseq import checkpoint_utils
+
+    from fairseq_qknorm.errors import one_line
+
+    marker = tmp_path / "PWNED"
+    path = tmp_path / "checkpoint_last.pt"
+    torch.save({"model": {}, "extra_state": {"payload": NOT_BLOCKED_BY_TORCH[refused](marker)}}, path)
+    with pytest.raises(Exception) as refusal:  # allowed, the payload would run, and this file fail later
+        checkpoint_utils.load_checkpoint_to_cpu(str(path))
+    assert not marker.exists(), f"{refused} ran"
+    assert isinstance(refusal.value, pickle.UnpicklingError), refusal.value
+    assert one_line(refusal.value).startswith(f"refused to load checkpoint {path}: it holds {refused}, which")
