@@ -253,7 +253,7 @@ def test_arms_differ_only_in_what_they_are_about():
 
     stock = build_model("stock", SIZES["tiny"], seed=3)[0].state_dict()
     for arm, extra in (
-        ("qknorm", {"qk_scale.g"}),
+        ("qknorm", {"qk_scale.g", "qk_scale.g0"}),  # g, and the g0 it started from
         ("qknorm_layernorm_none", {"q_norm.weight", "q_norm.bias", "k_norm.weight", "k_norm.bias"}),
     ):
         model = build_model(arm, SIZES["tiny"], seed=3)[0]
