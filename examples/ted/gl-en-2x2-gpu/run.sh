@@ -292,7 +292,11 @@ run_all() {
     mkdir -p "$RECORDS" "$LOGS" "$PROBE_RECORDS"
     local end=$((START + TIME_LIMIT)) recorded_by runs probed=() dir failed budget
     SWEEP_PID=
-    [ "$FP16_SWEEP" != 1 ] || fp16_sweep $((end - FINISH_SECONDS - 5))
+    if [ "$FP16_SWEEP" = 1 ]; then
+        fp16_sweep $((end - FINISH_SECONDS - 5))
+        # however the call ends (a failed probe too): the sweep runs on to its deadline, then is packed
+        trap 'wait "$SWEEP_PID" || true; fp16_sweep_pack' EXIT
+    fi
     recorded_by=$((end - CHECK_SECONDS - FINISH_SECONDS))  # every run translated and recorded by then
     runs=$(python -m experiments.gl_en_2x2 pending "$RECORDS" --seeds $SEEDS | wc -l) || die "no list of runs (above)"
     log "probe: $runs runs (seeds $SEEDS) side by side: $PROBE_UPDATES updates, one validation, the test set translated and recorded"
@@ -324,10 +328,6 @@ run_all() {
     pack
     log "runs: $((runs - failed)) of $runs recorded in $(($(date +%s) - START)) s; records and logs in $OUT/$PACK"
     checks $((end - $(date +%s) - 5))
-    if [ -n "$SWEEP_PID" ]; then
-        wait "$SWEEP_PID" || true
-        fp16_sweep_pack
-    fi
     log "done in $(($(date +%s) - START)) s"
     [ "$failed" = 0 ] && [ "$CHECKS_FAILED" = 0 ] || die "$failed run(s) failed, checks failed: $CHECKS_FAILED (logs above and in $OUT)"
 }
