@@ -172,15 +172,17 @@ def record(out, names, seconds, proc):
     """The call's output, with this machine's folders as names, for the repository."""
     dest = HERE / "rehearsal"
     dest.mkdir(exist_ok=True)
+    def named(text):
+        for path, placeholder in sorted(names.items(), key=lambda kv: -len(kv[0])):
+            text = text.replace(path, placeholder)
+        return text
+
     for name in ("run.log", "budget.json", "summary.md", "benchmark.log", "mixed-precision.log"):
         if (out / name).is_file():
-            text = (out / name).read_text()
-            for path, placeholder in sorted(names.items(), key=lambda kv: -len(kv[0])):
-                text = text.replace(path, placeholder)
-            (dest / name).write_text(text)
+            (dest / name).write_text(named((out / name).read_text()))
     (dest / "call.txt").write_text(
         f"exit status {proc.returncode} after {seconds:.0f} s (TIME_LIMIT={TIME_LIMIT}, PRECISION={PRECISION})\n"
-        f"last line: {(proc.stderr.strip().splitlines() or [''])[-1]}\n"
+        f"last line: {named((proc.stderr.strip().splitlines() or [''])[-1])}\n"
     )
 
 
