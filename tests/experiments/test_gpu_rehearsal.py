@@ -172,6 +172,7 @@ def record(out, names, seconds, proc):
     """The call's output, with this machine's folders as names, for the repository."""
     dest = HERE / "rehearsal"
     dest.mkdir(exist_ok=True)
+
     def named(text):
         for path, placeholder in sorted(names.items(), key=lambda kv: -len(kv[0])):
             text = text.replace(path, placeholder)
