@@ -178,6 +178,8 @@ def test_plan_fits_the_time_and_spaces_the_validations():
 
 def test_seeds_leave_two_cores_and_run_four_cells_a_seed():
     assert seeds(16, 3) == [1, 2, 3] and seeds(16, 5) == [1, 2, 3] and seeds(2, 3) == [1]
+    # the time limit counts too: one seed in nine minutes, two in forty, as the cores allow
+    assert seeds(10, 3, 540) == [1] and seeds(10, 3, 2400) == [1, 2] and seeds(10, 3, 3600) == [1, 2]
 
 
 def test_bad_input_fails_with_one_line(tmp_path):

@@ -27,10 +27,11 @@
 #   with the call; there, those steps are found done and skipped.
 #
 # Settings (environment): TIME_LIMIT (seconds for the whole command, default 540), SEEDS (default: as
-#   many as the cores allow, at most 3), PRECISION (fp16 on a GPU, bf16 on a CPU), LR (default 1e-3,
+#   many as the cores allow, at most 3, one per 1,200 s of TIME_LIMIT), PRECISION (fp16 on a GPU, bf16 on a CPU), LR (default 1e-3,
 #   as ../gl-en-2x2), DEV_POINTS (default 4), PROBE_UPDATES (default 100), MAX_EPOCHS (none),
 #   CHECK_SECONDS (time kept for the checks, default 90; 0: none), FP16_SWEEP (1: run the fp16 sweep;
-#   default 1 on CUDA), FP16_SWEEP_CORES (default 6), FP16_SWEEP_FLAGS (more flags for it), END_RESERVE (seconds kept after
+#   default 1 on CUDA), FP16_SWEEP_CORES (default 6), FP16_SWEEP_ARMS (default: stock qknorm
+#   qk_layernorm), FP16_SWEEP_FLAGS (more flags for it), END_RESERVE (seconds kept after
 #   training for translating and recording; default: what the probe took), OUT (default
 #   work/gl-en-2x2-gpu), DATA_DIR, WORK (default .gpu-data), and common.sh's values (MAX_TOKENS, ...).
 #   SMOKE=1: the smoke preset's tiny model, one seed and at most 2 epochs, a dry run of every step on
@@ -97,9 +98,9 @@ settings() {
     fi
     local cuda=0
     python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' && cuda=1
-    FP16_SWEEP=${FP16_SWEEP:-$cuda} FP16_SWEEP_CORES=${FP16_SWEEP_CORES:-6}
+    FP16_SWEEP=${FP16_SWEEP:-$cuda} FP16_SWEEP_CORES=${FP16_SWEEP_CORES:-6} FP16_SWEEP_ARMS=${FP16_SWEEP_ARMS:-stock qknorm qk_layernorm}
     [ "$FP16_SWEEP" = 1 ] || FP16_SWEEP_CORES=0
-    [ "$SMOKE" = 1 ] || SEEDS=${SEEDS:-$(python -m experiments.gpu_budget seeds --cores $(($(nproc) - FP16_SWEEP_CORES)))}
+    [ "$SMOKE" = 1 ] || SEEDS=${SEEDS:-$(python -m experiments.gpu_budget seeds --cores $(($(nproc) - FP16_SWEEP_CORES)) --time-limit "$TIME_LIMIT")}
     if [ -z "${PRECISION:-}" ]; then  # fp16 needs CUDA; bf16 on CUDA has not run yet
         PRECISION=bf16
         [ "$cuda" = 0 ] || PRECISION=fp16
@@ -244,14 +245,14 @@ fp16_sweep() {
     read -ra flags <<< "${FP16_SWEEP_FLAGS:-}"
     rm -rf "$dir"
     mkdir -p "$dir"
-    log "fp16 sweep: stock, qknorm, qk_layernorm x seeds 1 2, peak rates 0.3 0.1 0.03${FP16_SWEEP_FLAGS:+ ($FP16_SWEEP_FLAGS)}, on $device, beside the 2x2, until the end"
+    log "fp16 sweep: $FP16_SWEEP_ARMS x seeds 1 2, peak rates 0.3 0.1 0.03${FP16_SWEEP_FLAGS:+ ($FP16_SWEEP_FLAGS)}, on $device, beside the 2x2, until the end"
     (
         cd "$ROOT"
         timeout -k 5 "$(seconds_until "$until")" python -c \
             'import sys; from pathlib import Path; from experiments.lr_sweep import prepare_data; prepare_data(Path(sys.argv[1]))' \
             "$dir/data" > "$dir/prepare.log" 2>&1 || { echo "fp16 sweep: no data ($dir/prepare.log)" >> "$dir/prepare.log"; exit 1; }
         for seed in 1 2; do
-            for arm in stock qknorm qk_layernorm; do
+            for arm in $FP16_SWEEP_ARMS; do
                 mkdir -p "$dir/$arm-seed$seed"
                 timeout -k 5 "$(seconds_until "$until")" python -m experiments.fp16_sweep --device "$device" \
                     --work-dir "$dir/data" --out-dir "$dir/$arm-seed$seed" --arms "$arm" --seeds "$seed" \
