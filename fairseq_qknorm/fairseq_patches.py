@@ -19,7 +19,11 @@ when importing the plugin changes anything that page does not list.
    copy's device, the zero gradient norm of a skipped update) stay on the CPU while a CPU trainer
    builds its optimizer and takes a step; fairseq's FP16Optimizer, MemoryEfficientFP16Optimizer
    and loss scaler run unchanged. A GPU run never sees it.
-7. Validation scores for LR schedulers: fairseq-train gives a scheduler one score per epoch and no
+7. fp16's divergence error kept: after "Minimum loss scale reached", fairseq re-runs the update
+   under its NaN detector, whose backward hooks make torch raise StopIteration on the transformer
+   encoder (its output is a dict without a tensor at the top); that StopIteration replaced
+   fairseq's message. The message is raised again, after a warning naming what the re-run raised.
+8. Validation scores for LR schedulers: fairseq-train gives a scheduler one score per epoch and no
    way to end training; a scheduler with `step_validation` (paper_lr_schedulers.py) gets every
    validation's score and may end training. Installed by those schedulers when built, not here.
 """
@@ -231,6 +235,7 @@ def install():
     install_excepthook()
     give_token_blocks_np_compat()
     allow_fp16_on_cpu()
+    keep_fp16_divergence_error()
     _installed = True
 
 
@@ -291,7 +296,33 @@ def allow_fp16_on_cpu():
     Trainer.train_step = on_cpu(fairseq_train_step)
 
 
-# ------------------------------------------------------------------ 7. validation scores for LR schedulers
+# ------------------------------------------------------------------ 7. fp16's divergence error kept
+def keep_fp16_divergence_error():
+    # Trainer.train_step: `except FloatingPointError: ... with NanDetector(model): <the update
+    # again>; raise`. With torch 2, a module's non-full backward hook needs a tensor in its output;
+    # NanDetector hooks every module, and the encoder returns a dict of lists, so the re-run raises
+    # StopIteration, which replaces the FloatingPointError users look up (on a GPU as on the CPU).
+    from fairseq import trainer as trainer_module
+
+    fairseq_train_step = trainer_module.Trainer.train_step
+
+    def train_step(self, *args, **kwargs):
+        try:
+            return fairseq_train_step(self, *args, **kwargs)
+        except Exception as e:
+            if isinstance(e, FloatingPointError) or not isinstance(e.__context__, FloatingPointError):
+                raise
+            logger.warning(
+                "fairseq's NaN detector could not re-run the failed update (%s: %s); the error it was re-run for:",
+                type(e).__name__,
+                e,
+            )
+            raise e.__context__ from None
+
+    trainer_module.Trainer.train_step = train_step
+
+
+# ------------------------------------------------------------------ 8. validation scores for LR schedulers
 def _fairseq_train_modules():
     # fairseq-train runs fairseq_cli.train; `python -m fairseq_cli.train` runs a copy as __main__.
     import fairseq_cli.train

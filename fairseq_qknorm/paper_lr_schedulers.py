@@ -16,7 +16,7 @@ bleu --maximize-best-checkpoint-metric` (the paper code decays on dev BLEU). The
 without validations at fairseq's epoch ends; its epoch cap is `--max-update` (epochs x N).
 
 fairseq gives a scheduler only the last score of each of its own epochs, and a scheduler cannot end
-training: section 7 of fairseq_patches.py hands these schedulers every validation's score, before
+training: section 8 of fairseq_patches.py hands these schedulers every validation's score, before
 that validation's checkpoint is saved (a resumed run keeps its history), and their stop.
 """
 

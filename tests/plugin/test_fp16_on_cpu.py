@@ -270,6 +270,18 @@ def test_an_overflowing_update_is_skipped_and_training_goes_on(data, tmp_path, v
     assert all((v != v0).all() for v, v0 in zip(g_values(model), g_before))
 
 
+def test_a_diverged_fp16_run_ends_with_fairseqs_minimum_loss_scale_error(data, tmp_path, caplog):
+    # The first overflow halves the scale to the minimum: fairseq raises its FloatingPointError,
+    # then re-runs the update under its NaN detector (which, unpatched, raised StopIteration).
+    scale = str(int(OVERFLOWING_SCALE))
+    argv = fairseq_train_flags(data, "l2", tmp_path, "--fp16", "--fp16-init-scale", scale, "--min-loss-scale", scale)
+    trainer, batches = trainer_for(argv)
+    with caplog.at_level(logging.WARNING), pytest.raises(FloatingPointError, match="Minimum loss scale reached"):
+        trainer.train_step([batches[0]])
+    reruns = [r.getMessage() for r in caplog.records if "NaN detector could not re-run" in r.getMessage()]
+    assert reruns and "StopIteration" in reruns[0], reruns
+
+
 def forward_losses(trainer, batches):
     """The forward loss (per token) of each update, and whether fairseq applied it."""
     losses = []
