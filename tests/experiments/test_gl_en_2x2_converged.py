@@ -53,7 +53,7 @@ def campaign(work, records, data, **env):
         PRESET="smoke",
         CELLS="layernorm.qknorm",
         PATIENCE="2",
-        MAX_UPDATE="150",
+        MAX_UPDATE="100",  # the smoke preset on the toy corpus: epochs of about 22 updates
         VALID_EPOCHS="1",
         WORK=str(work),
         RECORDS=str(records),
@@ -120,7 +120,7 @@ def test_an_unfinished_run_resumes_from_its_checkpoint(stopped, gl_en_data):
     work, records = stopped
     r = entry_of(records)
     reopen(records, r)
-    proc = campaign(work, records, gl_en_data, PATIENCE="50", MAX_UPDATE=str(r["updates"] + 100))
+    proc = campaign(work, records, gl_en_data, PATIENCE="50", MAX_UPDATE=str(r["updates"] + 50))
     assert "fairseq-train resumes" in proc.stderr
     after = entry_of(records)
     assert after["dev_curve"][: len(r["dev_curve"])] == r["dev_curve"]  # the earlier points kept as they were
@@ -140,7 +140,7 @@ def test_a_snapshot_carries_an_unfinished_run_to_another_machine(stopped, gl_en_
     info = json.loads((records / "resume" / "layernorm-qknorm-seed1.json").read_text())
     assert info["updates"] == r["updates"] and info["best_updates"] == r["best_updates"]
     shutil.rmtree(work / "arms" / "qknorm-seed1")  # another machine: only the records are there
-    proc = campaign(work, records, gl_en_data, PATIENCE="50", MAX_UPDATE=str(r["updates"] + 60))
+    proc = campaign(work, records, gl_en_data, PATIENCE="50", MAX_UPDATE=str(r["updates"] + 30))
     assert "restored from its snapshot" in proc.stderr and "fairseq-train resumes" in proc.stderr
     after = entry_of(records)
     assert after["resumed_at_updates"][-1] == info["updates"]
@@ -179,8 +179,8 @@ def test_a_run_whose_checkpoints_are_gone_restarts_with_its_curve_kept(stopped, 
     r = entry_of(records)
     reopen(records, r)
     shutil.rmtree(work / "arms" / "qknorm-seed1")
-    proc = campaign(work, records, gl_en_data, MAX_UPDATE="60")
+    proc = campaign(work, records, gl_en_data, MAX_UPDATE="45")
     assert "restarting from scratch" in proc.stderr and "fairseq-train starts" in proc.stderr
     after = entry_of(records)
     assert after["lost_curves"][-1]["dev_curve"] == r["dev_curve"]
-    assert after["dev_curve"][-1][0] <= 60 and after["stop_reason"] in ("plateau", "cap")
+    assert after["dev_curve"][-1][0] <= 45 and after["stop_reason"] in ("plateau", "cap")
