@@ -246,6 +246,7 @@ def markdown_table(runs, fp32):
 def plot_loss_scale(runs, path):
     """The loss scale of every attempted update, one panel per peak rate, one colour per arm."""
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
 
     lrs = sorted({r["lr"] for r in runs})
     fig = Figure(figsize=(4.2 * len(lrs), 4.2), dpi=100, layout="constrained")
@@ -266,7 +267,9 @@ def plot_loss_scale(runs, path):
         ax.set_title(f"peak lr {lr:g}", fontsize=10)
         ax.grid(True, which="major", alpha=0.3)
     axes[0].set_ylabel("fp16 loss scale (x: run stopped; dotted: minimum 1e-4)")
-    axes[0].legend()
+    # every arm in the legend, also one that ran at some rates only
+    handles = [Line2D([], [], color=f"C{i}", label=arm) for i, arm in enumerate(arms)]
+    axes[0].legend(handles=handles)
     with atomic_path(str(path)) as tmp:
         fig.savefig(tmp, format="png")
 
