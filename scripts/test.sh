@@ -10,5 +10,6 @@ VENV=${VENV:-.venv}
 "$VENV/bin/ruff" check --quiet . || { echo "error: ruff check found the problems above (ruff check --fix fixes some)" >&2; exit 1; }
 "$VENV/bin/ruff" format --check --quiet . || { echo "error: files not formatted as ruff format would (run: $VENV/bin/ruff format .)" >&2; exit 1; }
 # One pytest worker per core (pytest-xdist), each test file on one worker: the files' fixtures (a
-# trained toy model, a smoke campaign) are built once. TEST_WORKERS=0 runs everything in this process.
-exec "$VENV/bin/python" -m pytest -q -n "${TEST_WORKERS:-auto}" --dist loadfile "$@" tests/plugin tests/experiments
+# trained toy model, a smoke campaign) are built once. The experiments' long files first, so that the
+# plugin's many short ones fill the workers up at the end. TEST_WORKERS=0: everything in this process.
+exec "$VENV/bin/python" -m pytest -q -n "${TEST_WORKERS:-auto}" --dist loadfile "$@" tests/experiments tests/plugin
