@@ -261,7 +261,22 @@ fp16_sweep() {
         done
         wait
     ) &
-    SWEEP_PID=$!
+    SWEEP_PID=$! SWEEP_OWNER=$BASHPID
+}
+
+# fp16_sweep_end: wait for the sweep (it stops at its deadline) and pack it, once.
+fp16_sweep_end() {
+    [ -n "${SWEEP_PID:-}" ] && [ "$BASHPID" = "$SWEEP_OWNER" ] || return 0  # not from a subshell
+    wait "$SWEEP_PID" || true
+    SWEEP_PID=
+    fp16_sweep_pack
+}
+
+# The call's last line says how it ended, so the sweep is packed before it, whichever way it ends.
+die() {
+    fp16_sweep_end
+    echo "error: $*" >&2
+    exit 1
 }
 
 fp16_sweep_pack() {
@@ -295,8 +310,9 @@ run_all() {
     SWEEP_PID=
     if [ "$FP16_SWEEP" = 1 ]; then
         fp16_sweep $((end - FINISH_SECONDS - 5))
-        # however the call ends (a failed probe too): the sweep runs on to its deadline, then is packed
-        trap 'wait "$SWEEP_PID" || true; fp16_sweep_pack' EXIT
+        # however the call ends (a failed probe too, or a failed command under set -e): the sweep
+        # runs on to its deadline, then is packed
+        trap fp16_sweep_end EXIT
     fi
     recorded_by=$((end - CHECK_SECONDS - FINISH_SECONDS))  # every run translated and recorded by then
     runs=$(python -m experiments.gl_en_2x2 pending "$RECORDS" --seeds $SEEDS | wc -l) || die "no list of runs (above)"
@@ -329,6 +345,7 @@ run_all() {
     pack
     log "runs: $((runs - failed)) of $runs recorded in $(($(date +%s) - START)) s; records and logs in $OUT/$PACK"
     checks $((end - $(date +%s) - 5))
+    fp16_sweep_end
     log "done in $(($(date +%s) - START)) s"
     [ "$failed" = 0 ] && [ "$CHECKS_FAILED" = 0 ] || die "$failed run(s) failed, checks failed: $CHECKS_FAILED (logs above and in $OUT)"
 }
