@@ -473,3 +473,15 @@ def test_norm_alone_times_every_norm_and_its_composition_against_l2(capsys):
     names = [r[1].strip() for r in rows]
     assert names == ["l2", "l2 composed", "layernorm", "layernorm composed", "rmsnorm", "rmsnorm composed"]
     assert float(rows[0][3]) == 1.0 and all(float(r[2]) > 0 for r in rows)
+
+
+def test_sdpa_new_shapes_times_first_and_repeated_calls_per_backend(capsys):
+    from benchmarks import sdpa_new_shapes
+
+    sdpa_new_shapes.main(["--device", "cpu", "--shapes", "2", "--tokens", "200"])
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [r[0].strip() for r in rows[1:]] == ["default", "math"]  # after the header; the CPU has these two
+    for _, first, again, ratio in rows[1:]:
+        assert float(first) > 0 and float(again) > 0 and float(ratio) > 0
+    with pytest.raises(SystemExit):
+        sdpa_new_shapes.main(["--device", "cpu", "--shapes", "0"])
