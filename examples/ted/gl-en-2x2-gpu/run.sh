@@ -18,7 +18,7 @@
 #      hypotheses); OUT/gl-en-2x2-gpu.tar.gz (records/ and logs/) is rewritten as each run lands;
 #   4. in the CHECK_SECONDS kept for them and whatever else is left: the CUDA mixed-precision tests
 #      and a small benchmark (train and generate, the training's precision), side by side.
-# Beside steps 2-4, on FP16_SWEEP_CORES cores of their own: the fp16 learning-rate sweep
+# Beside steps 2-4 (FP16_SWEEP=1), on FP16_SWEEP_CORES cores of their own: the fp16 learning-rate sweep
 # (experiments/fp16_sweep.py: stock attention, QKNorm and QK LayerNorm at peak rates 0.3, 0.1, 0.03,
 # two seeds) on CUDA, one process per arm and seed, until the end; OUT/fp16-sweep.tar.gz.
 # Every step has its own time limit; a failed or slow check, or a failed run, is logged and the call
@@ -27,10 +27,10 @@
 #   with the call; there, those steps are found done and skipped.
 #
 # Settings (environment): TIME_LIMIT (seconds for the whole command, default 540), SEEDS (default: as
-#   many as the cores allow, at most 3, one per 1,200 s of TIME_LIMIT), PRECISION (fp16 on a GPU, bf16 on a CPU), LR (default 1e-3,
-#   as ../gl-en-2x2), DEV_POINTS (default 4), PROBE_UPDATES (default 100), MAX_EPOCHS (none),
-#   CHECK_SECONDS (time kept for the checks, default 90; 0: none), FP16_SWEEP (1: run the fp16 sweep;
-#   default 1 on CUDA), FP16_SWEEP_CORES (default 6), FP16_SWEEP_ARMS (default: stock qknorm
+#   many as the cores allow, at most 3, one per 1,200 s of TIME_LIMIT), PRECISION (fp16 on a GPU, bf16
+#   on a CPU), LR (default 1e-3, as ../gl-en-2x2), DEV_POINTS (default 4), PROBE_UPDATES (default 40), MAX_EPOCHS (none),
+#   CHECK_SECONDS (time kept for the checks, default 45; 0: none), FP16_SWEEP (1: run the fp16 sweep;
+#   default 1 on CUDA with TIME_LIMIT >= 1200), FP16_SWEEP_CORES (default 6), FP16_SWEEP_ARMS (default: stock qknorm
 #   qk_layernorm), FP16_SWEEP_FLAGS (more flags for it), END_RESERVE (seconds kept after
 #   training for translating and recording; default: what the probe took), OUT (default
 #   work/gl-en-2x2-gpu), DATA_DIR, WORK (default .gpu-data), and common.sh's values (MAX_TOKENS, ...).
@@ -93,12 +93,16 @@ settings() {
         MAX_EPOCHS=${MAX_EPOCHS-2} SEEDS=${SEEDS:-1} CHECK_SECONDS=${CHECK_SECONDS:-300}
     else
         BASE_PRESET=paper_controlled RECORD_PRESET=paper-gpu
-        TIME_LIMIT=${TIME_LIMIT:-540} PROBE_UPDATES=${PROBE_UPDATES:-100} LOG_INTERVAL=${LOG_INTERVAL:-20}
-        MAX_EPOCHS=${MAX_EPOCHS:-} CHECK_SECONDS=${CHECK_SECONDS:-90}
+        # what the call measured on an H200 to finish in the default 9 minutes (README, Status)
+        TIME_LIMIT=${TIME_LIMIT:-540} PROBE_UPDATES=${PROBE_UPDATES:-40} LOG_INTERVAL=${LOG_INTERVAL:-20}
+        MAX_EPOCHS=${MAX_EPOCHS:-} CHECK_SECONDS=${CHECK_SECONDS:-45}
     fi
     local cuda=0
     python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' && cuda=1
-    FP16_SWEEP=${FP16_SWEEP:-$cuda} FP16_SWEEP_CORES=${FP16_SWEEP_CORES:-6} FP16_SWEEP_ARMS=${FP16_SWEEP_ARMS:-stock qknorm qk_layernorm}
+    # the sweep takes six cores for about two minutes: beside the 2x2 from 20 minutes of TIME_LIMIT on
+    local sweep=$cuda
+    [ "$TIME_LIMIT" -ge 1200 ] 2> /dev/null || sweep=0
+    FP16_SWEEP=${FP16_SWEEP:-$sweep} FP16_SWEEP_CORES=${FP16_SWEEP_CORES:-6} FP16_SWEEP_ARMS=${FP16_SWEEP_ARMS:-stock qknorm qk_layernorm}
     [ "$FP16_SWEEP" = 1 ] || FP16_SWEEP_CORES=0
     [ "$SMOKE" = 1 ] || SEEDS=${SEEDS:-$(python -m experiments.gpu_budget seeds --cores $(($(nproc) - FP16_SWEEP_CORES)) --time-limit "$TIME_LIMIT")}
     if [ -z "${PRECISION:-}" ]; then  # fp16 needs CUDA; bf16 on CUDA has not run yet
