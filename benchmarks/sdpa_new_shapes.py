@@ -11,11 +11,12 @@ backend has shapes of its own, so that none finds another's plans cached."""
 import argparse
 import contextlib
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .timing import timed
 
 BACKENDS = {
     "default": None,
@@ -36,14 +37,9 @@ def attention_step(batch, length, device, dtype, generator):
     padded = torch.arange(length, device=device) >= length - length // 5  # the last fifth of every other row
     mask = torch.zeros(batch, 1, 1, length, device=device, dtype=dtype)
     mask[::2, ..., padded] = float("-inf")
-    if device == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.1)
-    out.sum().backward()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return timed(
+        lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.1).sum().backward(), device
+    )
 
 
 def measure(backend, lengths, tokens, device, dtype):
