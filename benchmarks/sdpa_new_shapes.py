@@ -3,7 +3,8 @@
 fairseq's batches take a new (sentences, length) shape every few updates of the first epoch. On an
 H200 the gl-en 2x2's first epoch trained six times slower than its second, with the same batches
 (examples/ted/gl-en-2x2-gpu/README.md, Status): a backend that builds a plan for every new shape
-would do that. For SDPA's default choice and each backend it can be held to, the forward and
+would do that, and cuDNN's does, which is why the plugin keeps it out. For SDPA's default choice,
+the plugin's choice and each backend SDPA can be held to, the forward and
 backward of attention as the plugin trains it (an additive padding mask, dropout, 4 heads of 128)
 at shapes of about 4,000 tokens: the first call of each shape, then the same shape once more. Every
 backend has shapes of its own, so that none finds another's plans cached."""
@@ -16,10 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from fairseq_qknorm.qknorm_attention import FUSED_BACKENDS
+
 from .timing import timed
 
 BACKENDS = {
     "default": None,
+    "plugin": FUSED_BACKENDS,  # what QKNormAttention's fused path may use: all but cuDNN
     "cudnn": SDPBackend.CUDNN_ATTENTION,
     "flash": SDPBackend.FLASH_ATTENTION,
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -72,7 +76,7 @@ def main(argv=None):
     print(f"{name}, torch {torch.__version__}, {dtype}, {args.shapes} new shapes per backend of ~{args.tokens} tokens")
     print("| backend | first call of a shape, ms (median) | same shape again, ms (median) | first / again |")
     print("|---|---:|---:|---:|")
-    backends = list(BACKENDS) if args.device == "cuda" else ["default", "math"]
+    backends = list(BACKENDS) if args.device == "cuda" else ["default", "plugin", "math"]
     # the process's one-time costs (CUDA context, library handles) on a length no backend uses
     attention_step(args.tokens // 8, 8, args.device, dtype, torch.Generator(device=args.device).manual_seed(1))
     for i, backend in enumerate(backends):

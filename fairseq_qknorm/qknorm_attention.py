@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from fairseq import utils
 from fairseq.modules import MultiheadAttention
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .errors import QKNormConfigError
 from .lean_norms import affine_norm, unit_norm
@@ -21,6 +22,12 @@ QK_NORMS = ("l2", "layernorm", "rmsnorm", "none")
 QK_SCALES = ("learned", "fixed", "none")
 # The key of the cross-attention cache that holds how many hypotheses share one row.
 BEAM_SIZE = "beam_size"
+# The kernels the fused path may use: every one but cuDNN's. On a GPU with cuDNN attention (Hopper),
+# SDPA picks it, and it builds a plan for every shape it has not seen, about 130 ms on an H200; a
+# fairseq epoch brings a new (sentences, length) shape every few batches, and the gl-en 2x2's first
+# epoch trained six times slower than its second. Memory-efficient attention takes the same inputs
+# with no such cost, and was faster on a shape seen before too (benchmarks/sdpa_new_shapes.py).
+FUSED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def scaled_norm(x: Tensor, g: Optional[Tensor] = None, norm: Optional[nn.Module] = None) -> Tensor:
@@ -98,7 +105,8 @@ class QKNormAttention(MultiheadAttention):
         # The fused kernel, unless the weights are wanted or this is one decoding step: for a query
         # of length 1 to 5, SDPA's CPU kernel is slower than two matmuls (benchmarks/, measured).
         if not (need_weights or before_softmax or incremental_state is not None):
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+            with sdpa_kernel(FUSED_BACKENDS):
+                attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
         else:
             scores = torch.matmul(q, k.transpose(-1, -2))
             if scale != 1.0:  # with g, g is in q already

@@ -218,11 +218,15 @@ def test_fixed_scale_is_a_buffer_not_a_parameter():
     assert "qk_scale.g" in m.state_dict()
 
 
-def test_zero_queries_keys_and_all_padding_rows_give_no_nan():
-    m = make(dict(qk_norm="l2", qk_scale="learned", qk_scale_init=8.0))
+# On CUDA, the fused path runs one of FUSED_BACKENDS' kernels (the GPU call runs these with -k cuda).
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+)
+def test_zero_queries_keys_and_all_padding_rows_give_no_nan(device):
+    m = make(dict(qk_norm="l2", qk_scale="learned", qk_scale_init=8.0)).to(device)
     with torch.no_grad():
         m.q_proj.weight.zero_(), m.q_proj.bias.zero_(), m.k_proj.weight.zero_(), m.k_proj.bias.zero_()
-    query, _, kpm, causal = inputs(False)
+    query, _, kpm, causal = (x.to(device) for x in inputs(False))
     kpm[1] = True  # a sentence that is all padding
     for need_weights in (False, True):
         out, _ = m(query, query, query, key_padding_mask=kpm, attn_mask=causal, need_weights=need_weights)
@@ -231,6 +235,23 @@ def test_zero_queries_keys_and_all_padding_rows_give_no_nan():
     out, _ = m(query, query, query, key_padding_mask=kpm, attn_mask=causal, need_weights=False)
     out.sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+
+
+def test_the_fused_path_keeps_cudnn_attention_out(monkeypatch):
+    # cuDNN's SDPA builds a plan per new shape (qknorm_attention.FUSED_BACKENDS says why it is left out).
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    m = make(dict(qk_norm="l2", qk_scale="learned", qk_scale_init=8.0))
+    query, _, kpm, causal = inputs(False)
+    m(query, query, query, key_padding_mask=kpm, attn_mask=causal, need_weights=False)
+    assert seen == [False]
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # and the process's own setting is back
 
 
 @pytest.mark.parametrize("norm", ["l2", "layernorm", "rmsnorm"])

@@ -218,7 +218,7 @@ checks() {
     fi
     log "checks: the mixed-precision tests (-k cuda) and benchmarks.run --device $device --dtype $dtype --quick, ${seconds}s at most, side by side"
     (cd "$ROOT" && timeout -k 5 "$seconds" python -m pytest -q -rs -p no:cacheprovider -k cuda \
-        tests/plugin/test_mixed_precision.py) \
+        tests/plugin/test_mixed_precision.py tests/plugin/test_attention.py) \
         > "$OUT/mixed-precision.log" 2>&1 &
     tests=$!
     local until=$(($(date +%s) + seconds))
