@@ -142,6 +142,20 @@ def test_a_probe_cut_off_by_the_time_limit_ends_with_one_line_and_packs(gl_en, t
     assert "probe: 4 runs" in (out / "run.log").read_text()
 
 
+def test_a_probe_that_leaves_no_epoch_still_runs_the_checks(gl_en, tmp_path):
+    # END_RESERVE keeps more than the time limit for recording: no epoch fits. Nothing trains, but the
+    # checks need no budget: they run, and the last line says what happened.
+    out = tmp_path / "out"
+    proc = script(SMOKE=1, DATA_DIR=gl_en, WORK=tmp_path / "work", OUT=out, TIME_LIMIT=500, END_RESERVE=100000)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last.startswith("error: no budget: no run trained; checks failed: "), proc.stderr[
+        -3000:
+    ]
+    log = (out / "run.log").read_text()
+    assert "not enough for one epoch" in log and "checks: mixed-precision tests exit" in log
+    assert not (tmp_path / "work" / "arms").exists() and (out / "gl-en-2x2-gpu.tar.gz").exists()  # nothing trained
+
+
 def test_the_budget_keeps_the_measured_end_before_the_deadline(dry_run, tmp_path):
     _, _, _, work = dry_run
     probes = sorted(str(p) for p in (work / "probe").iterdir())
