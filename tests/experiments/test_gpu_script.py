@@ -149,9 +149,8 @@ def test_a_probe_that_leaves_no_epoch_still_runs_the_checks(gl_en, tmp_path):
     out = tmp_path / "out"
     proc = script(SMOKE=1, DATA_DIR=gl_en, WORK=tmp_path / "work", OUT=out, TIME_LIMIT=500, END_RESERVE=100000)
     last = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode == 1 and last.startswith("error: no budget: no run trained; checks failed: "), proc.stderr[
-        -3000:
-    ]
+    expected = "error: no budget: no run trained; checks failed: "
+    assert proc.returncode == 1 and last.startswith(expected), proc.stderr[-3000:]
     log = (out / "run.log").read_text()
     assert "not enough for one epoch" in log and "checks: mixed-precision tests exit" in log
     assert not (tmp_path / "work" / "arms").exists() and (out / "gl-en-2x2-gpu.tar.gz").exists()  # nothing trained

@@ -16,8 +16,9 @@
 #   3. trains the four cells x SEEDS side by side with that budget, translates the test set and
 #      records every run as ../gl-en-2x2/run.sh does (experiments/gl_en_2x2.py: runs.json and the
 #      hypotheses); OUT/gl-en-2x2-gpu.tar.gz (records/ and logs/) is rewritten as each run lands;
-#   4. in the CHECK_SECONDS kept for them and whatever else is left: the CUDA mixed-precision tests
-#      and a small benchmark (train and generate, the training's precision), side by side.
+#   4. in the CHECK_SECONDS kept for them and whatever else is left: the CUDA cases of the
+#      mixed-precision and attention tests and a small benchmark (train and generate, the training's
+#      precision), side by side; when the probe leaves no epoch, step 3 is skipped and these still run.
 # Beside steps 2-4 (FP16_SWEEP=1), on FP16_SWEEP_CORES cores of their own: the fp16 learning-rate sweep
 # (experiments/fp16_sweep.py: stock attention, QKNorm and QK LayerNorm at peak rates 0.3, 0.1, 0.03,
 # two seeds) on CUDA, one process per arm and seed, until the end; OUT/fp16-sweep.tar.gz.
