@@ -158,6 +158,20 @@ def test_the_report_reads_the_records(stopped, gl_en_data):
     assert (records / "dev-curves.png").stat().st_size > 10_000
 
 
+def test_the_results_table_shows_stopped_runs_and_how_far_the_others_are(stopped):
+    from experiments.results import format_converged
+
+    _, records = stopped
+    done = entry_of(records)
+    running = dict(done, attention="dot", stop_reason="running", updates=60, dev_curve=curve(1.5, 2.25))
+    rows = {line.split(" | ")[0]: line for line in format_converged([done, running]) if line.startswith("| ")}
+    assert rows["| layernorm + qknorm"].startswith(
+        f"| layernorm + qknorm | 1 | {done['test_bleu']:.2f} | {done['test_chrf']:.1f} | {done['updates']:,} ({done['stop_reason']}) |"
+    )
+    assert rows["| layernorm + dot"] == "| layernorm + dot | 0 | - | - | 60 (running) | 2.25 |"
+    assert rows["| scalenorm + dot"] == "| scalenorm + dot | 0 | - | - | not started | - |"
+
+
 def test_the_paired_bootstrap_of_a_difference():
     from experiments.corpus_scores import bleu_statistics
     from experiments.gl_en_2x2_converged_report import corpus_bleu, paired_bootstrap
