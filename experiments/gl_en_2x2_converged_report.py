@@ -5,7 +5,8 @@ three effects of the 2x2 once all four cells of a seed have.
 
 Differences and effects are in test BLEU at each run's best-dev checkpoint, with a paired bootstrap
 over test sentences (1,000 resamples; every run's translation of a drawn sentence kept), the
-ten-epoch 2x2's interval (experiments/gl_en_2x2_report.py) for these trained models.
+ten-epoch 2x2's interval (experiments/gl_en_2x2_report.py) for these trained models; beside
+them, the same numbers for the ten-epoch 2x2's runs of the same seed, from its committed hypotheses.
 """
 
 import os
@@ -24,6 +25,7 @@ from fairseq_qknorm_cli.score import read_lines
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEN_EPOCHS = os.path.join(os.path.dirname(HERE), "examples", "ted", "gl-en-2x2")
 TEN_EPOCH_UPDATES = 1400
+NORMS = {"scalenorm": "ScaleNorm", "layernorm": "LayerNorm"}
 PAPER = {("scalenorm", "dot"): 22.01, ("layernorm", "qknorm"): 24.21}
 COLORS = {
     ("scalenorm", "dot"): "tab:blue",
@@ -150,7 +152,7 @@ def difference_summary(runs):
         early = [d for u, d in diff if u <= TEN_EPOCH_UPDATES]
         late = diff[-4:]
         lines.append(
-            f"- {norm}, seed {seed}: QKNorm - dot {fmt(statistics.mean(early) if early else None, '+.2f')} dev BLEU "
+            f"- {NORMS[norm]}, seed {seed}: QKNorm - dot {fmt(statistics.mean(early) if early else None, '+.2f')} dev BLEU "
             f"on average up to {TEN_EPOCH_UPDATES:,} updates, {statistics.mean(d for _, d in late):+.2f} over the last "
             f"{len(late)} validations both runs have ({late[0][0]:,} to {late[-1][0]:,} updates)."
         )
@@ -165,7 +167,14 @@ def test_statistics(records, ref, runs):
     }
 
 
-def effects_section(runs, stats):
+def ten_epoch_statistics(ref, ref_sha1):
+    """The ten-epoch 2x2's test statistics, when its references are these: the same effects at 1,400
+    updates, bootstrapped the same way, for the table beside the converged ones."""
+    ten = [r for r in ten_epoch_runs() if r["data_sha1"].get(f"test.{TGT}") == ref_sha1]
+    return test_statistics(TEN_EPOCHS, ref, [dict(r, stop_reason="budget") for r in ten])
+
+
+def effects_section(runs, stats, ten_stats):
     by_key = {(r["norm"], r["attention"], r["seed"]): r for r in runs if stopped(r)}
     lines = ["## What the stopped runs say", ""]
     pairs = sorted({(n, s) for n, a, s in by_key if (n, "dot", s) in by_key and (n, "qknorm", s) in by_key})
@@ -177,15 +186,22 @@ def effects_section(runs, stats):
         "QKNorm minus scaled dot product in test BLEU at the best-dev checkpoints, with its paired-bootstrap",
         "95% interval over test sentences:",
         "",
-        "| norm | seed | scaled dot | QKNorm | QKNorm - dot [95% interval] |",
-        "|---|---|---|---|---|",
+        "| norm | seed | scaled dot | QKNorm | QKNorm - dot [95% interval] | the same at ten epochs |",
+        "|---|---|---|---|---|---|",
     ]
-    for norm, seed in pairs:
+
+    def difference(stats, norm, seed):
+        if (norm, "dot", seed) not in stats or (norm, "qknorm", seed) not in stats:
+            return "-"
         pair = {"dot": stats[norm, "dot", seed], "qknorm": stats[norm, "qknorm", seed]}
         (point, low, high) = paired_bootstrap(pair, lambda s: {"d": s["qknorm"] - s["dot"]})["d"]
+        return f"{point:+.2f} [{low:+.2f}, {high:+.2f}]"
+
+    for norm, seed in pairs:
         lines.append(
-            f"| {norm} | {seed} | {by_key[norm, 'dot', seed]['test_bleu']:.2f} | "
-            f"{by_key[norm, 'qknorm', seed]['test_bleu']:.2f} | {point:+.2f} [{low:+.2f}, {high:+.2f}] |"
+            f"| {NORMS[norm]} | {seed} | {by_key[norm, 'dot', seed]['test_bleu']:.2f} | "
+            f"{by_key[norm, 'qknorm', seed]['test_bleu']:.2f} | {difference(stats, norm, seed)} "
+            f"| {difference(ten_stats, norm, seed)} |"
         )
     complete = sorted(s for s in {k[2] for k in by_key} if all((*c, s) in by_key for c in CELLS))
     if complete:
@@ -195,16 +211,19 @@ def effects_section(runs, stats):
             "LayerNorm - ScaleNorm under each attention; interaction = how much more QKNorm gains under",
             "LayerNorm than under ScaleNorm), test BLEU, paired bootstrap:",
             "",
-            "| seed | " + " | ".join(EFFECTS) + " |",
-            "|---|" + "---|" * len(EFFECTS),
+            "| models | seed | " + " | ".join(EFFECTS) + " |",
+            "|---|---|" + "---|" * len(EFFECTS),
         ]
-        for seed in complete:
-            boot = paired_bootstrap({c: stats[(*c, seed)] for c in CELLS}, effects)
-            lines.append(
-                f"| {seed} | "
-                + " | ".join(f"{boot[e][0]:+.2f} [{boot[e][1]:+.2f}, {boot[e][2]:+.2f}]" for e in EFFECTS)
-                + " |"
-            )
+        for when, at in (("converged", stats), (f"ten epochs ({TEN_EPOCH_UPDATES:,} updates)", ten_stats)):
+            for seed in complete:
+                if not all((*c, seed) in at for c in CELLS):
+                    continue
+                boot = paired_bootstrap({c: at[(*c, seed)] for c in CELLS}, effects)
+                lines.append(
+                    f"| {when} | {seed} | "
+                    + " | ".join(f"{boot[e][0]:+.2f} [{boot[e][1]:+.2f}, {boot[e][2]:+.2f}]" for e in EFFECTS)
+                    + " |"
+                )
     lines += [
         "",
         "The interval measures how much the choice of test sentences moves the difference, for these",
@@ -321,7 +340,7 @@ def answer(runs):
         dot, qk = by_key.get((norm, "dot", 1)), by_key.get((norm, "qknorm", 1))
         if dot and qk and stopped(dot) and stopped(qk):
             said.append(
-                f"Under {norm}, converged (seed 1): QKNorm {qk['test_bleu']:.2f} against scaled dot "
+                f"Under {NORMS[norm]}, converged (seed 1): QKNorm {qk['test_bleu']:.2f} against scaled dot "
                 f"{dot['test_bleu']:.2f} test BLEU ({qk['test_bleu'] - dot['test_bleu']:+.2f})."
             )
     if not said:
@@ -344,6 +363,7 @@ def write_report(records, data_dir):
         fail(f"--data {data_dir}: test.{TGT} is not the reference the runs were scored against (sha1 differs)")
     ref = read_lines(ref_path, "--data")
     stats = test_statistics(records, ref, runs)
+    ten_stats = ten_epoch_statistics(ref, sha1(ref_path))
     patience, max_update = runs[0]["patience"], runs[0]["max_update"]
     # updates per epoch and per validation, from the longest curve (the records keep no settings)
     longest = max(runs, key=lambda r: r["epochs"])
@@ -358,7 +378,7 @@ def write_report(records, data_dir):
         answer=answer(runs),
         difference_summary=difference_summary(runs),
         run_table=run_table(runs),
-        effects=effects_section(runs, stats),
+        effects=effects_section(runs, stats, ten_stats),
         beside_table=beside_table(runs),
         valid_epochs=valid_epochs,
         updates_per_validation=f"{round(valid_epochs * epoch_updates):,}" if epoch_updates else "?",

@@ -188,6 +188,26 @@ def test_the_paired_bootstrap_of_a_difference():
     assert point > 0 and low <= point <= high
 
 
+def test_the_effects_stand_beside_the_same_effects_at_ten_epochs():
+    from experiments.corpus_scores import bleu_statistics
+    from experiments.gl_en_2x2_converged_report import effects_section
+    from experiments.gl_en_2x2_records import CELLS
+
+    refs = ["the cat sat on the mat .", "a dog ran in the park", "it is raining today", "we like green tea"]
+    good, poor = ["the cat sat on the mat .", "a dog ran in a park", "it rains today", "we like tea"], ["the mat"] * 4
+    runs = [dict(norm=n, attention=a, seed=1, stop_reason="plateau", test_bleu=0.0) for n, a in CELLS]
+    # converged: only LayerNorm + QKNorm is good; at ten epochs only ScaleNorm + QKNorm
+    stats = {(n, a, 1): bleu_statistics(good if (n, a) == ("layernorm", "qknorm") else poor, refs) for n, a in CELLS}
+    ten = {(n, a, 1): bleu_statistics(good if (n, a) == ("scalenorm", "qknorm") else poor, refs) for n, a in CELLS}
+    text = effects_section(runs, stats, ten)
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
+    converged, ten_epochs = rows["| converged"], rows["| ten epochs (1,400 updates)"]
+    interaction = 4  # models, seed, QKNorm, LayerNorm, interaction
+    assert converged[interaction].startswith("+") and ten_epochs[interaction].startswith("-")
+    layernorm_row = rows["| LayerNorm"]
+    assert layernorm_row[4].startswith("+") and layernorm_row[5].startswith("+0.00")
+
+
 def test_a_run_whose_checkpoints_are_gone_restarts_with_its_curve_kept(stopped, gl_en_data):
     work, records = stopped
     r = entry_of(records)
