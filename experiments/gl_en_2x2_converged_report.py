@@ -327,9 +327,13 @@ def how_it_ran(runs):
 
 
 def status(runs):
+    """How many of the seeds' four runs have stopped, each run's state, the cells not started."""
     done = sum(map(stopped, runs))
+    seeds = sorted({r["seed"] for r in runs})
+    recorded = {(r["norm"], r["attention"], r["seed"]) for r in runs}
     parts = [f"{SHORT[cell(r)]} seed {r['seed']}: {r['stop_reason']} at {r['updates']:,} updates" for r in runs]
-    return f"{done} of {len(runs)} runs stopped ({'; '.join(parts)})."
+    parts += [f"{SHORT[c]} seed {s}: not started" for s in seeds for c in CELLS if (*c, s) not in recorded]
+    return f"{done} of {len(CELLS) * len(seeds)} runs stopped ({'; '.join(parts)})."
 
 
 def answer(runs):

@@ -154,7 +154,11 @@ def test_the_report_reads_the_records(stopped, gl_en_data):
     work, records = stopped
     write_report(str(records), str(gl_en_data))
     text = (records / "README.md").read_text()
-    assert "1 of 1 runs stopped" in text and "$" not in text.replace("```sh", "")  # every placeholder filled
+    assert (
+        "1 of 4 runs stopped" in text
+        and "ScaleNorm + dot seed 1: not started" in text
+        and "$" not in text.replace("```sh", "")
+    )  # every placeholder filled
     assert (records / "dev-curves.png").stat().st_size > 10_000
 
 
