@@ -160,11 +160,15 @@ def difference_summary(runs):
 
 
 def test_statistics(records, ref, runs):
-    return {
-        (r["norm"], r["attention"], r["seed"]): bleu_statistics(read_lines(os.path.join(records, r["hyp"]), "hyp"), ref)
-        for r in runs
-        if stopped(r)
-    }
+    """Per-sentence BLEU statistics of each stopped run's committed hypotheses, checked against the
+    test BLEU its record holds: the report stands on the files a reader can re-score."""
+    stats = {}
+    for r in filter(stopped, runs):
+        path = os.path.join(records, r["hyp"])
+        stats[r["norm"], r["attention"], r["seed"]] = s = bleu_statistics(read_lines(path, "hyp"), ref)
+        if round(corpus_bleu(s), 2) != r["test_bleu"]:
+            fail(f"{path}: scores {corpus_bleu(s):.2f} BLEU against test.{TGT}, its record says {r['test_bleu']}")
+    return stats
 
 
 def ten_epoch_statistics(ref, ref_sha1):

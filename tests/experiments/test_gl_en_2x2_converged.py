@@ -160,6 +160,15 @@ def test_the_report_reads_the_records(stopped, gl_en_data):
         and "$" not in text.replace("```sh", "")
     )  # every placeholder filled
     assert (records / "dev-curves.png").stat().st_size > 10_000
+    # a record whose hypotheses no longer give its BLEU: no page
+    runs = (records / "runs.json").read_text()
+    r = entry_of(records)
+    (records / "runs.json").write_text(json.dumps([dict(r, test_bleu=r["test_bleu"] + 0.01)]))
+    try:
+        with pytest.raises(SystemExit, match=f"{r['hyp']}: scores {r['test_bleu']:.2f} BLEU against test.en"):
+            write_report(str(records), str(gl_en_data))
+    finally:
+        (records / "runs.json").write_text(runs)
 
 
 def test_the_results_table_shows_stopped_runs_and_how_far_the_others_are(stopped):
