@@ -104,7 +104,7 @@ def figure(path, runs):
     for (norm, seed), diff in paired_differences(runs).items():
         u, d = zip(*diff)
         color = COLORS[norm, "qknorm"]
-        right.plot(u, d, marker=".", color=color, label=f"{norm}: QKNorm - dot, seed {seed}")
+        right.plot(u, d, marker=".", color=color, label=f"{NORMS[norm]}: QKNorm - dot, seed {seed}")
     right.axhline(0, color="black", linewidth=0.8)
     right.axvline(TEN_EPOCH_UPDATES, color="grey", linewidth=1)
     right.set(xlabel="updates", ylabel="dev BLEU difference", title="QKNorm minus scaled dot, by norm")
