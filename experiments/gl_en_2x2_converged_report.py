@@ -25,6 +25,7 @@ from fairseq_qknorm_cli.score import read_lines
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEN_EPOCHS = os.path.join(os.path.dirname(HERE), "examples", "ted", "gl-en-2x2")
 TEN_EPOCH_UPDATES = 1400
+SMOOTH = 4
 NORMS = {"scalenorm": "ScaleNorm", "layernorm": "LayerNorm"}
 PAPER = {("scalenorm", "dot"): 22.01, ("layernorm", "qknorm"): 24.21}
 COLORS = {
@@ -104,7 +105,10 @@ def figure(path, runs):
     for (norm, seed), diff in paired_differences(runs).items():
         u, d = zip(*diff)
         color = COLORS[norm, "qknorm"]
-        right.plot(u, d, marker=".", color=color, label=f"{NORMS[norm]}: QKNorm - dot, seed {seed}")
+        right.plot(u, d, marker=".", color=color, alpha=0.4, label=f"{NORMS[norm]}: QKNorm - dot, seed {seed}")
+        # the trend under the validation-to-validation noise: the mean of the last SMOOTH validations
+        mean = [statistics.mean(d[max(0, i + 1 - SMOOTH) : i + 1]) for i in range(len(d))]
+        right.plot(u, mean, color=color, linewidth=2.5, label=f"the same, mean of the last {SMOOTH} validations")
     right.axhline(0, color="black", linewidth=0.8)
     right.axvline(TEN_EPOCH_UPDATES, color="grey", linewidth=1)
     right.set(xlabel="updates", ylabel="dev BLEU difference", title="QKNorm minus scaled dot, by norm")
@@ -150,7 +154,7 @@ def difference_summary(runs):
     lines = []
     for (norm, seed), diff in diffs.items():
         early = [d for u, d in diff if u <= TEN_EPOCH_UPDATES]
-        late = diff[-4:]
+        late = diff[-SMOOTH:]
         lines.append(
             f"- {NORMS[norm]}, seed {seed}: QKNorm - dot {fmt(statistics.mean(early) if early else None, '+.2f')} dev BLEU "
             f"on average up to {TEN_EPOCH_UPDATES:,} updates, {statistics.mean(d for _, d in late):+.2f} over the last "
