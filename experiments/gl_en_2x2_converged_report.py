@@ -389,6 +389,7 @@ def write_report(records, data_dir):
         status=status(runs),
         answer=answer(runs),
         difference_summary=difference_summary(runs),
+        smooth=SMOOTH,
         run_table=run_table(runs),
         effects=effects_section(runs, stats, ten_stats),
         beside_table=beside_table(runs),
