@@ -17,7 +17,7 @@ from string import Template
 import numpy as np
 
 from experiments.corpus_scores import bleu_score, bleu_statistics
-from experiments.gl_en_2x2_records import CELLS, TGT, read_runs, sha1
+from experiments.gl_en_2x2_records import CELLS, TGT, read_runs, sha1, stopped
 from experiments.gl_en_2x2_report import BOOTSTRAP_SEED, EFFECTS, RESAMPLES, SHORT, T975, effects
 from fairseq_qknorm_cli.files import atomic_path, fail, write_text
 from fairseq_qknorm_cli.score import read_lines
@@ -38,10 +38,6 @@ COLORS = {
 
 def cell(run):
     return run["norm"], run["attention"]
-
-
-def stopped(run):
-    return run["stop_reason"] not in ("running", None)
 
 
 # ------------------------------------------------------------------ test-set statistics
@@ -164,22 +160,23 @@ def difference_summary(runs):
 
 
 def test_statistics(records, ref, runs):
-    """Per-sentence BLEU statistics of each stopped run's committed hypotheses, checked against the
-    test BLEU its record holds: the report stands on the files a reader can re-score."""
+    """Per-sentence BLEU statistics of the runs' committed hypotheses, each checked against the test
+    BLEU its record holds: the report stands on the files a reader can re-score."""
     stats = {}
-    for r in filter(stopped, runs):
+    for r in runs:
         path = os.path.join(records, r["hyp"])
         stats[r["norm"], r["attention"], r["seed"]] = s = bleu_statistics(read_lines(path, "hyp"), ref)
-        if round(corpus_bleu(s), 2) != r["test_bleu"]:
-            fail(f"{path}: scores {corpus_bleu(s):.2f} BLEU against test.{TGT}, its record says {r['test_bleu']}")
+        bleu = round(corpus_bleu(s), 2)
+        if bleu != r["test_bleu"]:
+            fail(f"{path}: scores {bleu:.2f} BLEU against test.{TGT}, its record says {r['test_bleu']}")
     return stats
 
 
-def ten_epoch_statistics(ref, ref_sha1):
-    """The ten-epoch 2x2's test statistics, when its references are these: the same effects at 1,400
-    updates, bootstrapped the same way, for the table beside the converged ones."""
-    ten = [r for r in ten_epoch_runs() if r["data_sha1"].get(f"test.{TGT}") == ref_sha1]
-    return test_statistics(TEN_EPOCHS, ref, [dict(r, stop_reason="budget") for r in ten])
+def ten_epoch_statistics(ref, ref_sha1, seeds):
+    """The ten-epoch 2x2's test statistics for SEEDS, when its references are these: the same
+    differences and effects at 1,400 updates, bootstrapped the same way, beside the converged ones."""
+    ten = [r for r in ten_epoch_runs() if r["seed"] in seeds and r["data_sha1"].get(f"test.{TGT}") == ref_sha1]
+    return test_statistics(TEN_EPOCHS, ref, ten)
 
 
 def effects_section(runs, stats, ten_stats):
@@ -198,10 +195,10 @@ def effects_section(runs, stats, ten_stats):
         "|---|---|---|---|---|---|",
     ]
 
-    def difference(stats, norm, seed):
-        if (norm, "dot", seed) not in stats or (norm, "qknorm", seed) not in stats:
+    def difference(at, norm, seed):
+        if (norm, "dot", seed) not in at or (norm, "qknorm", seed) not in at:
             return "-"
-        pair = {"dot": stats[norm, "dot", seed], "qknorm": stats[norm, "qknorm", seed]}
+        pair = {"dot": at[norm, "dot", seed], "qknorm": at[norm, "qknorm", seed]}
         (point, low, high) = paired_bootstrap(pair, lambda s: {"d": s["qknorm"] - s["dot"]})["d"]
         return f"{point:+.2f} [{low:+.2f}, {high:+.2f}]"
 
@@ -371,11 +368,13 @@ def write_report(records, data_dir):
     ref_path = os.path.join(data_dir, f"test.{TGT}")
     if not os.path.exists(ref_path):
         fail(f"--data {data_dir}: no test.{TGT}")
-    if sha1(ref_path) != runs[0]["data_sha1"][f"test.{TGT}"]:
+    ref_sha1 = sha1(ref_path)
+    if ref_sha1 != runs[0]["data_sha1"][f"test.{TGT}"]:
         fail(f"--data {data_dir}: test.{TGT} is not the reference the runs were scored against (sha1 differs)")
     ref = read_lines(ref_path, "--data")
-    stats = test_statistics(records, ref, runs)
-    ten_stats = ten_epoch_statistics(ref, sha1(ref_path))
+    done = [r for r in runs if stopped(r)]
+    stats = test_statistics(records, ref, done)
+    ten_stats = ten_epoch_statistics(ref, ref_sha1, {r["seed"] for r in done})
     patience, max_update = runs[0]["patience"], runs[0]["max_update"]
     # updates per epoch and per validation, from the longest curve (the records keep no settings)
     longest = max(runs, key=lambda r: r["epochs"])

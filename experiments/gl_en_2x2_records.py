@@ -24,6 +24,11 @@ CELLS = (("scalenorm", "dot"), ("scalenorm", "qknorm"), ("layernorm", "dot"), ("
 SRC, TGT = "gl", "en"
 
 
+def stopped(run):
+    """Whether the stopping rule has stopped the run (a converged-campaign entry)."""
+    return run["stop_reason"] not in ("running", None)
+
+
 def hyp_name(norm, attention, seed):
     return f"{norm}-{attention}-seed{seed}.hyp"
 

@@ -20,7 +20,7 @@ import re
 import statistics
 
 from experiments.fairseq_logs import parse_train_log
-from experiments.gl_en_2x2_records import CELLS, read_runs
+from experiments.gl_en_2x2_records import CELLS, read_runs, stopped
 from fairseq_qknorm_cli.files import fail, write_text
 
 # Henry et al. (2020), Table 1: tokenized BLEU of the baseline (Transformers without Tears) and QKNorm.
@@ -263,7 +263,7 @@ def format_converged(runs):
     ]
     for norm, attention in CELLS:
         rs = [r for r in runs if (r["norm"], r["attention"]) == (norm, attention)]
-        done = [r for r in rs if r["stop_reason"] not in ("running", None)]
+        done = [r for r in rs if stopped(r)]
         shown = done or rs
         updates = ", ".join(f"{r['updates']:,} ({r['stop_reason']})" for r in shown) or "not started"
         best = [max((b for _, b, _ in r["dev_curve"]), default=None) for r in shown]
