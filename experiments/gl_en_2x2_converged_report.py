@@ -151,10 +151,14 @@ def difference_summary(runs):
     for (norm, seed), diff in diffs.items():
         early = [d for u, d in diff if u <= TEN_EPOCH_UPDATES]
         late = diff[-SMOOTH:]
+        span = (
+            f"over the last {len(late)} validations both runs have ({late[0][0]:,} to {late[-1][0]:,} updates)"
+            if len(late) > 1
+            else f"at the one validation both runs have ({late[0][0]:,} updates)"
+        )
         lines.append(
             f"- {NORMS[norm]}, seed {seed}: QKNorm - dot {fmt(statistics.mean(early) if early else None, '+.2f')} dev BLEU "
-            f"on average up to {TEN_EPOCH_UPDATES:,} updates, {statistics.mean(d for _, d in late):+.2f} over the last "
-            f"{len(late)} validations both runs have ({late[0][0]:,} to {late[-1][0]:,} updates)."
+            f"on average up to {TEN_EPOCH_UPDATES:,} updates, {statistics.mean(d for _, d in late):+.2f} {span}."
         )
     return "\n".join(lines)
 
@@ -362,7 +366,8 @@ def answer(runs):
 
 def write_report(records, data_dir):
     """README.md and dev-curves.png in RECORDS; DATA_DIR holds test.en (checked by sha1)."""
-    runs = read_runs(records)
+    # the 2x2's order (ScaleNorm before LayerNorm, dot before QKNorm), not the order the runs started in
+    runs = sorted(read_runs(records), key=lambda r: (r["seed"], CELLS.index(cell(r))))
     if not runs:
         fail(f"{records}/runs.json: no runs recorded yet")
     ref_path = os.path.join(data_dir, f"test.{TGT}")

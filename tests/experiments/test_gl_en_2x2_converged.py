@@ -169,6 +169,16 @@ def test_the_report_reads_the_records(stopped, gl_en_data):
             write_report(str(records), str(gl_en_data))
     finally:
         (records / "runs.json").write_text(runs)
+    # a run started later but earlier in the 2x2 comes first, on the status line and in the table
+    later = dict(r, norm="scalenorm", attention="dot", stop_reason="running", best_updates=None)
+    (records / "runs.json").write_text(json.dumps([r, later]))
+    try:
+        write_report(str(records), str(gl_en_data))
+        text = (records / "README.md").read_text()
+    finally:
+        (records / "runs.json").write_text(runs)
+    assert text.index("ScaleNorm + dot seed 1: running") < text.index("LayerNorm + QKNorm seed 1: plateau")
+    assert text.index("| ScaleNorm + dot | 1 | running") < text.index("| LayerNorm + QKNorm | 1 | plateau")
 
 
 def test_the_results_table_shows_stopped_runs_and_how_far_the_others_are(stopped):
@@ -231,3 +241,20 @@ def test_a_run_whose_checkpoints_are_gone_restarts_with_its_curve_kept(stopped, 
     after = entry_of(records)
     assert after["lost_curves"][-1]["dev_curve"] == r["dev_curve"]
     assert after["dev_curve"][-1][0] <= 45 and after["stop_reason"] in ("plateau", "cap")
+
+
+def test_the_difference_summary_reads_early_and_late_validations():
+    from experiments.gl_en_2x2_converged_report import difference_summary
+
+    def run(attention, *bleus, step=700):
+        return dict(norm="layernorm", attention=attention, seed=1, dev_curve=curve(*bleus, step=step))
+
+    # up to 1,400 updates (two validations 700 apart): -1 and -2; the last four: -2, +1, +2, +3
+    (line,) = difference_summary([run("dot", 5, 6, 7, 8, 9, 10), run("qknorm", 4, 4, 8, 10, 12)]).splitlines()
+    assert line == (
+        "- LayerNorm, seed 1: QKNorm - dot -1.50 dev BLEU on average up to 1,400 updates,"
+        " +1.00 over the last 4 validations both runs have (1,400 to 3,500 updates)."
+    )
+    (line,) = difference_summary([run("dot", 5), run("qknorm", 3, 4)]).splitlines()
+    assert line.endswith("-2.00 at the one validation both runs have (700 updates).")
+    assert difference_summary([run("dot", 5)]) == "No norm has both of its runs validated yet."
