@@ -177,8 +177,9 @@ def test_the_report_reads_the_records(stopped, gl_en_data):
         text = (records / "README.md").read_text()
     finally:
         (records / "runs.json").write_text(runs)
-    assert text.index("ScaleNorm + dot seed 1: running") < text.index("LayerNorm + QKNorm seed 1: plateau")
-    assert text.index("| ScaleNorm + dot | 1 | running") < text.index("| LayerNorm + QKNorm | 1 | plateau")
+    stop = r["stop_reason"]
+    assert text.index("ScaleNorm + dot seed 1: running") < text.index(f"LayerNorm + QKNorm seed 1: {stop}")
+    assert text.index("| ScaleNorm + dot | 1 | running") < text.index(f"| LayerNorm + QKNorm | 1 | {stop}")
 
 
 def test_the_results_table_shows_stopped_runs_and_how_far_the_others_are(stopped):
