@@ -150,6 +150,7 @@ def test_a_snapshot_carries_an_unfinished_run_to_another_machine(stopped, gl_en_
 
 def test_the_report_reads_the_records(stopped, gl_en_data):
     from experiments.gl_en_2x2_converged_report import write_report
+    from experiments.gl_en_2x2_records import write_runs
 
     work, records = stopped
     write_report(str(records), str(gl_en_data))
@@ -171,7 +172,7 @@ def test_the_report_reads_the_records(stopped, gl_en_data):
         (records / "runs.json").write_text(runs)
     # a run started later but earlier in the 2x2 comes first, on the status line and in the table
     later = dict(r, norm="scalenorm", attention="dot", stop_reason="running", best_updates=None)
-    (records / "runs.json").write_text(json.dumps([r, later]))
+    write_runs(str(records), [r, later])
     try:
         write_report(str(records), str(gl_en_data))
         text = (records / "README.md").read_text()
