@@ -140,6 +140,14 @@ def checkpoint_state(path):
     return load_checkpoint(path)
 
 
+def position(state):
+    """(updates, epochs) of a checkpoint, epochs counted as fairseq's log counts them ("Saved checkpoint
+    ... (epoch E @ N updates)"): a save at the end of epoch E stores the iterator at epoch E + 1."""
+    it = state["extra_state"]["train_iterator"]
+    epoch = it["epoch"] - 1 if it["iterations_in_epoch"] == 0 else it["epoch"]
+    return state["optimizer_history"][-1]["num_updates"], epoch
+
+
 def valid_losses(log_path):
     """{updates: dev loss} of fairseq-train's validations (the later line when one is logged twice)."""
     out = {}
@@ -397,7 +405,7 @@ class Run:
         # fairseq-train ended by itself: at --max-update (mid-epoch: only checkpoint_last.pt) or --stop-min-lr.
         last = os.path.join(self.save_dir, "checkpoint_last.pt")
         state = checkpoint_state(last)
-        updates, epoch = state["optimizer_history"][-1]["num_updates"], state["extra_state"]["train_iterator"]["epoch"]
+        updates, epoch = position(state)
         if updates not in {u for u, _, _ in entry["dev_curve"]}:
             shutil.copyfile(last, os.path.join(self.save_dir, "checkpoint_end.pt"))
             self.score_validation(entry, os.path.join(self.save_dir, "checkpoint_end.pt"), updates, epoch)
@@ -467,12 +475,11 @@ class Run:
         paths = snapshot_paths(self.args.records, *self.key)
         os.makedirs(os.path.dirname(paths["last"]), exist_ok=True)
         state = checkpoint_state(last)  # read once: the training run may replace the file meanwhile
-        updates, epoch = state["optimizer_history"][-1]["num_updates"], state["extra_state"]["train_iterator"]["epoch"]
+        updates, epoch = position(state)
         save_state(compact(state, keep_optimizer=True), paths["last"])
         best_state = checkpoint_state(best)
         save_state(compact(best_state, keep_optimizer=False), paths["best"])
-        best_updates = best_state["optimizer_history"][-1]["num_updates"]
-        best_epoch = best_state["extra_state"]["train_iterator"]["epoch"]
+        best_updates, best_epoch = position(best_state)
         info = {"updates": updates, "epoch": epoch, "best_updates": best_updates, "best_epoch": best_epoch}
         write_text(paths["info"], json.dumps(info, indent=1) + "\n")
         log(f"{self.name}: snapshot at {updates} updates (best at {best_updates}) in {os.path.dirname(paths['last'])}")

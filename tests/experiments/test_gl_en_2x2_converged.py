@@ -139,6 +139,7 @@ def test_a_snapshot_carries_an_unfinished_run_to_another_machine(stopped, gl_en_
     campaign(work, records, gl_en_data, SNAPSHOT="1")
     info = json.loads((records / "resume" / "layernorm-qknorm-seed1.json").read_text())
     assert info["updates"] == r["updates"] and info["best_updates"] == r["best_updates"]
+    assert (info["epoch"], info["best_epoch"]) == (r["epochs"], r["best_epoch"])  # counted as the log counts
     shutil.rmtree(work / "arms" / "qknorm-seed1")  # another machine: only the records are there
     proc = campaign(work, records, gl_en_data, PATIENCE="50", MAX_UPDATE=str(r["updates"] + 30))
     assert "restored from its snapshot" in proc.stderr and "fairseq-train resumes" in proc.stderr
