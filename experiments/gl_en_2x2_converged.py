@@ -5,8 +5,6 @@
     python -m experiments.gl_en_2x2_converged run RECORDS --arm-dir DIR --norm N --attention A --seed S \\
             --data RAW --bin BIN --spm SPM.model -- fairseq-train ...
         trains (or resumes) one run and scores every validation's model on dev as training goes
-    python -m experiments.gl_en_2x2_converged snapshot RECORDS --arm-dir DIR --norm N --attention A --seed S
-        copies an unfinished run's last scored and best checkpoints into RECORDS/resume/ (compacted)
     python -m experiments.gl_en_2x2_converged report RECORDS --data RAW
         writes RECORDS/README.md and its figures from runs.json
 
@@ -21,15 +19,12 @@ fairseq-train itself runs unchanged, uninterrupted, with the recipe's schedule (
 reduce_lr_on_plateau steps on fairseq's own --eval-bleu, as in every recipe). The record, with
 its dev curve so far, is rewritten after every validation (and committed with --commit), so a
 measured point is never lost. Rerun, a run resumes from its checkpoint_last.pt; a run whose
-checkpoints are gone restarts from scratch, its earlier curve kept in the record as `lost_curves`,
-unless a snapshot of it is in RECORDS/resume/: a run takes longer than a machine may be held, and
-only what is committed moves to the next one. A snapshot keeps the last scored checkpoint (model in
-float32, Adam's moments in bfloat16, about two thirds of the size) and the best one (model only); the
-run resumes from it, and the points measured after it are moved to `lost_curves` and measured again.
+checkpoints are gone (a new machine) restarts from its first update, its earlier curve kept in the
+record as `lost_curves`, which the report counts. Checkpoints live in the run's folder (--arm-dir),
+which must be outside the repository: only records and hypotheses are ever committed.
 """
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -38,7 +33,7 @@ import subprocess
 import sys
 import time
 
-from experiments.fairseq_logs import train_loss_curve
+from experiments.fairseq_logs import parse_train_log, train_loss_curve
 from experiments.gl_en_2x2_records import (
     CELLS,
     SRC,
@@ -148,19 +143,6 @@ def position(state):
     return state["optimizer_history"][-1]["num_updates"], epoch
 
 
-def valid_losses(log_path):
-    """{updates: dev loss} of fairseq-train's validations (the later line when one is logged twice)."""
-    out = {}
-    if os.path.exists(log_path):
-        with open(log_path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if "valid on 'valid' subset" in line:
-                    loss, updates = re.search(r"\| loss ([\d.]+)", line), re.search(r"\| num_updates (\d+)", line)
-                    if loss and updates:
-                        out[int(updates.group(1))] = float(loss.group(1))
-    return out
-
-
 def lr_at(log_path):
     """{updates: learning rate} from fairseq-train's epoch-end train lines."""
     out = {}
@@ -203,55 +185,17 @@ def commit_records(records, message):
     log(f"warning: could not commit {records} ({message}); the next validation's commit takes it along")
 
 
+def tracked_by_git(path):
+    """Whether git would track PATH: it lies in a git work tree and no .gitignore covers it."""
+    parent = os.path.abspath(path)
+    while not os.path.isdir(parent):
+        parent = os.path.dirname(parent)
+    inside = git("rev-parse", "--is-inside-work-tree", cwd=parent).stdout.strip() == "true"
+    return inside and git("check-ignore", "-q", os.path.abspath(path), cwd=parent).returncode != 0
+
+
 def log(message):
     print(f"| {time.strftime('%H:%M:%S', time.gmtime())} {message}", file=sys.stderr, flush=True)
-
-
-# ------------------------------------------------------------------ snapshots
-def snapshot_paths(records, norm, attention, seed):
-    """{"last", "best", "info"}: where a run's snapshot lives in RECORDS/resume/."""
-    stem = os.path.join(records, "resume", hyp_name(norm, attention, seed)[: -len(".hyp")])
-    return {"last": stem + "-last.pt", "best": stem + "-best.pt", "info": stem + ".json"}
-
-
-def compact(state, keep_optimizer):
-    """A checkpoint made smaller for the repository: Adam's moments in bfloat16, or no optimizer
-    state at all (enough to translate: fairseq-generate never reads it)."""
-    import torch
-
-    state = dict(state)
-    if not keep_optimizer:
-        state.pop("last_optimizer_state", None)
-        return state
-    opt = dict(state["last_optimizer_state"])
-    opt["state"] = {
-        k: {
-            n: t.to(torch.bfloat16) if torch.is_tensor(t) and t.is_floating_point() and t.dim() else t
-            for n, t in v.items()
-        }
-        for k, v in opt["state"].items()
-    }
-    state["last_optimizer_state"] = opt
-    return state
-
-
-def expand(state):
-    """compact()'s inverse for training: Adam's moments back in float32."""
-    import torch
-
-    opt = dict(state["last_optimizer_state"])
-    opt["state"] = {
-        k: {n: t.float() if torch.is_tensor(t) and t.dtype == torch.bfloat16 else t for n, t in v.items()}
-        for k, v in opt["state"].items()
-    }
-    return dict(state, last_optimizer_state=opt)
-
-
-def save_state(state, path):
-    import torch
-
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)
 
 
 def merged(old, new):
@@ -333,7 +277,6 @@ class Run:
         resumable = os.path.exists(os.path.join(self.save_dir, "checkpoint_last.pt"))
         if not resumable:
             shutil.rmtree(a.arm_dir, ignore_errors=True)
-            resumable = self.restore(entry)
         if entry["dev_curve"] and not resumable:
             entry["lost_curves"].append(
                 {
@@ -417,7 +360,7 @@ class Run:
         a = self.args
         if updates not in {u for u, _, _ in entry["dev_curve"]}:
             bleu = dev_bleu(a, checkpoint, self.env)
-            loss = valid_losses(self.log_path).get(updates)
+            loss = {u: dev_loss for u, dev_loss, _ in parse_train_log(self.log_path)["dev"]}.get(updates)
             entry["dev_curve"].append([updates, bleu, loss])
             entry["dev_curve"].sort()
             lrs = lr_at(self.log_path)
@@ -437,55 +380,6 @@ class Run:
             os.remove(checkpoint)
         return stop_reason(entry["dev_curve"], a.patience, a.max_update)
 
-    def restore(self, entry):
-        """Put the run's snapshot (RECORDS/resume/) back as its checkpoints; False when there is none."""
-        paths = snapshot_paths(self.args.records, *self.key)
-        if not all(os.path.exists(p) for p in paths.values()):
-            return False
-        with open(paths["info"], encoding="utf-8") as f:
-            info = json.load(f)
-        os.makedirs(self.save_dir, exist_ok=True)
-        save_state(expand(checkpoint_state(paths["last"])), os.path.join(self.save_dir, "checkpoint_last.pt"))
-        shutil.copyfile(os.path.join(self.save_dir, "checkpoint_last.pt"), os.path.join(self.save_dir, LAST))
-        shutil.copyfile(paths["best"], os.path.join(self.save_dir, BEST))
-        later = [p for p in entry["dev_curve"] if p[0] > info["updates"]]
-        if later:
-            entry["lost_curves"].append(
-                {
-                    "dev_curve": later,
-                    "note": f"measured after the snapshot at {info['updates']} updates; measured again",
-                }
-            )
-        for curve in ("dev_curve", "lr_curve", "train_loss"):  # the snapshot's past only
-            entry[curve] = [p for p in entry[curve] if p[0] <= info["updates"]]
-        entry["updates"], entry["epochs"] = info["updates"], info["epoch"]
-        entry["best_updates"], entry["best_epoch"] = info["best_updates"], info["best_epoch"]
-        log(f"{self.name}: restored from its snapshot at {info['updates']} updates (RECORDS/resume/)")
-        return True
-
-    def snapshot(self):
-        """Copy the last scored and the best checkpoint into RECORDS/resume/, compacted."""
-        entry = self.load()
-        if not entry or entry["stop_reason"] != "running" or not entry["dev_curve"]:
-            log(f"{self.name}: nothing to snapshot (no unfinished run with a scored validation)")
-            return
-        last, best = os.path.join(self.save_dir, LAST), os.path.join(self.save_dir, BEST)
-        if not (os.path.exists(last) and os.path.exists(best)):
-            fail(f"{self.name}: {self.save_dir} holds no scored checkpoints to snapshot")
-        paths = snapshot_paths(self.args.records, *self.key)
-        os.makedirs(os.path.dirname(paths["last"]), exist_ok=True)
-        state = checkpoint_state(last)  # read once: the training run may replace the file meanwhile
-        updates, epoch = position(state)
-        save_state(compact(state, keep_optimizer=True), paths["last"])
-        best_state = checkpoint_state(best)
-        save_state(compact(best_state, keep_optimizer=False), paths["best"])
-        best_updates, best_epoch = position(best_state)
-        info = {"updates": updates, "epoch": epoch, "best_updates": best_updates, "best_epoch": best_epoch}
-        write_text(paths["info"], json.dumps(info, indent=1) + "\n")
-        log(f"{self.name}: snapshot at {updates} updates (best at {best_updates}) in {os.path.dirname(paths['last'])}")
-        if self.args.commit:
-            commit_records(self.args.records, f"gl-en 2x2 converged, {self.name}: snapshot at {updates} updates")
-
     def finish(self, entry, reason):
         a = self.args
         best, last = os.path.join(self.save_dir, BEST), os.path.join(self.save_dir, LAST)
@@ -500,9 +394,6 @@ class Run:
         entry["train_loss"] = merged(entry["train_loss"], train_loss_curve(self.log_path))
         for checkpoint, _, _ in saved_checkpoints(self.log_path):  # saved after the stopping validation
             os.remove(checkpoint)
-        for path in snapshot_paths(a.records, *self.key).values():  # a stopped run needs none
-            if os.path.exists(path):
-                os.remove(path)
         summary = (
             f"{self.name}: stopped ({reason}) at {entry['updates']} updates; best dev BLEU at "
             f"{entry['best_updates']}: test BLEU {entry['test_bleu']:.2f}, chrF {entry['test_chrf']:.2f}"
@@ -545,13 +436,6 @@ def main(argv=None):
     )
     r.add_argument("--max-update", type=int, default=MAX_UPDATE, help=f"the cap in updates (default {MAX_UPDATE})")
     r.add_argument("--commit", action="store_true", help="git-commit RECORDS after every validation")
-    n = sub.add_parser("snapshot")
-    n.add_argument("records")
-    n.add_argument("--arm-dir", required=True)
-    n.add_argument("--norm", choices=("scalenorm", "layernorm"), required=True)
-    n.add_argument("--attention", choices=("dot", "qknorm"), required=True)
-    n.add_argument("--seed", type=int, required=True)
-    n.add_argument("--commit", action="store_true", help="git-commit RECORDS with the snapshot")
     t = sub.add_parser("report")
     t.add_argument("records")
     t.add_argument("--data", required=True)
@@ -573,12 +457,11 @@ def main(argv=None):
     elif args.command == "run":
         if not args.train_command:
             fail("run: give the fairseq-train command after --")
+        if tracked_by_git(args.arm_dir):
+            fail(f"--arm-dir {args.arm_dir}: git would track its checkpoints; give a folder outside the repository")
         args.device_flags = args.device_flags.split()
         os.makedirs(args.records, exist_ok=True)
         Run(args).run()
-    elif args.command == "snapshot":
-        args.threads = 1
-        Run(args).snapshot()
     else:
         from experiments.gl_en_2x2_converged_report import write_report
 

@@ -3,10 +3,13 @@ from the template gl_en_2x2_converged_report.md. It reports what has landed: cur
 training, the QKNorm - dot difference under a norm once both of its runs have stopped, and the
 three effects of the 2x2 once all four cells of a seed have.
 
-Differences and effects are in test BLEU at each run's best-dev checkpoint, with a paired bootstrap
-over test sentences (1,000 resamples; every run's translation of a drawn sentence kept), the
-ten-epoch 2x2's interval (experiments/gl_en_2x2_report.py) for these trained models; beside
-them, the same numbers for the ten-epoch 2x2's runs of the same seed, from its committed hypotheses.
+Differences and effects are in test BLEU at each run's best-dev checkpoint. Per seed, with a paired
+bootstrap over test sentences (1,000 resamples; every run's translation of a drawn sentence kept), the
+ten-epoch 2x2's interval (experiments/gl_en_2x2_report.py) for these trained models, beside the same
+numbers for the ten-epoch 2x2's runs of the same seed. Over seeds, the mean of the per-seed values
+with two intervals: a two-level bootstrap over seeds and test sentences, and a t-interval over the
+seeds; and the seed-to-seed spread at convergence beside the ten-epoch 2x2's, from which the
+how-many-seeds table is recomputed once a norm has two converged seeds.
 """
 
 import os
@@ -48,13 +51,26 @@ def corpus_bleu(stats):
 def paired_bootstrap(stats, combine):
     """combine({cell: corpus BLEU}) -> {name: value}; returns {name: (point, low, high)} with the
     2.5th-97.5th percentiles over resampled test sentences."""
-    point = combine({c: corpus_bleu(s) for c, s in stats.items()})
-    n = len(next(iter(stats.values())))
-    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    return seeds_and_sentences_bootstrap({c: [s] for c, s in stats.items()}, combine)
+
+
+def seeds_and_sentences_bootstrap(stats, combine):
+    """The same over seeds and test sentences: stats {cell: [one run's sentence statistics per seed]};
+    a cell's score is the mean corpus BLEU of its seeds. Each resample draws the test sentences (the
+    same for every run: the differences stay paired) and, per cell, as many of its seeds as it has,
+    with replacement. With one seed per cell it is the paired bootstrap over sentences alone (the seed
+    draws come from a generator of their own, so the sentence draws are the same)."""
+    point = combine({c: statistics.mean(corpus_bleu(s) for s in runs) for c, runs in stats.items()})
+    n = len(next(iter(stats.values()))[0])
+    rng, seed_rng = np.random.default_rng(BOOTSTRAP_SEED), np.random.default_rng(BOOTSTRAP_SEED + 1)
     draws = {name: [] for name in point}
     for _ in range(RESAMPLES):
         rows = rng.integers(0, n, n)
-        for name, value in combine({c: corpus_bleu(s[rows]) for c, s in stats.items()}).items():
+        score = {}
+        for c, runs in stats.items():
+            picked = seed_rng.integers(0, len(runs), len(runs)) if len(runs) > 1 else [0]
+            score[c] = statistics.mean(corpus_bleu(runs[i][rows]) for i in picked)
+        for name, value in combine(score).items():
             draws[name].append(value)
     return {name: (point[name], *np.percentile(draws[name], [2.5, 97.5])) for name in point}
 
@@ -248,18 +264,22 @@ def ten_epoch_runs():
 def beside_table(runs):
     ten = ten_epoch_runs()
     lines = [
-        "| cell | paper (full size, GPU) | ten epochs, seed 1 | ten epochs, mean of 3 seeds | converged, seed 1 (best dev) |",
-        "|---|---|---|---|---|",
+        "| cell | paper (full size, GPU) | ten epochs, seed 1 | ten epochs, mean of 3 seeds | converged, seed 1 (best dev) "
+        "| converged, mean of the stopped seeds |",
+        "|---|---|---|---|---|---|",
     ]
     for c in CELLS:
         t1 = [r["test_bleu"] for r in ten if cell(r) == c and r["seed"] == 1]
         ta = [r["test_bleu"] for r in ten if cell(r) == c]
         conv = [r for r in runs if cell(r) == c and r["seed"] == 1]
         now = conv[0]["test_bleu"] if conv and stopped(conv[0]) else None
+        done = [r["test_bleu"] for r in runs if cell(r) == c and stopped(r)]
         state = "still training" if conv and not stopped(conv[0]) else "not started"
         lines.append(
             f"| {SHORT[c]} | {fmt(PAPER.get(c))} | {fmt(t1[0] if t1 else None)} | "
-            f"{fmt(statistics.mean(ta) if ta else None)} | {fmt(now) if now is not None else state} |"
+            f"{fmt(statistics.mean(ta) if ta else None)} | {fmt(now) if now is not None else state} | "
+            + (f"{statistics.mean(done):.2f} ({len(done)} seeds)" if done else "-")
+            + " |"
         )
     lines.append("")
     lines.append("Test BLEU, sacrebleu `--tokenize none`; the paper reports only its baseline and its system.")
@@ -277,25 +297,150 @@ def epochs_to_plateau(runs):
     )
 
 
-def seeds_section():
-    """How large a QKNorm - dot difference n seeds resolve, from the ten-epoch 2x2's spread."""
+def stopped_seeds(runs, cells):
+    """The seeds whose runs of every one of CELLS have stopped."""
+    done = {(r["norm"], r["attention"], r["seed"]) for r in runs if stopped(r)}
+    return sorted({s for _, _, s in done if all((*c, s) in done for c in cells)})
+
+
+def comparisons(runs):
+    """[(name, cells, combine, seeds)]: QKNorm - dot under each norm, then the 2x2's three effects,
+    each over the seeds that have all of its cells stopped."""
+    out = []
+    for norm in NORMS:
+        pair = ((norm, "dot"), (norm, "qknorm"))
+        out.append(
+            (
+                f"QKNorm - dot under {NORMS[norm]}",
+                pair,
+                lambda s, p=pair: {"d": s[p[1]] - s[p[0]]},
+                stopped_seeds(runs, pair),
+            )
+        )
+    for name in EFFECTS:
+        out.append((f"{name} (2x2 effect)", CELLS, lambda s, n=name: {"d": effects(s)[n]}, stopped_seeds(runs, CELLS)))
+    return out
+
+
+def seed_sd(values):
+    return statistics.stdev(values) if len(values) > 1 else None
+
+
+def over_seeds_section(runs, stats):
+    """Per cell, mean and SD over its stopped seeds; each comparison's mean over seeds with a 95%
+    interval that counts seeds and test sentences, beside the t-interval over seeds alone."""
+    lines = ["## Over seeds", ""]
+    lines += [
+        "Per cell, test BLEU and chrF at the best-dev checkpoint, mean (standard deviation) over the seeds",
+        "whose run has stopped:",
+        "",
+        "| cell | seeds | test BLEU, mean (SD) | chrF, mean (SD) | per seed (BLEU) |",
+        "|---|---|---|---|---|",
+    ]
+    for c in CELLS:
+        rs = sorted((r for r in runs if cell(r) == c and stopped(r)), key=lambda r: r["seed"])
+        if not rs:
+            lines.append(f"| {SHORT[c]} | 0 | - | - | - |")
+            continue
+        cols = []
+        for key in ("test_bleu", "test_chrf"):
+            values = [r[key] for r in rs]
+            sd = seed_sd(values)
+            cols.append(f"{statistics.mean(values):.2f}" + (f" ({sd:.2f})" if sd is not None else ""))
+        per_seed = ", ".join(f"{r['seed']}: {r['test_bleu']:.2f}" for r in rs)
+        lines.append(f"| {SHORT[c]} | {len(rs)} | {cols[0]} | {cols[1]} | {per_seed} |")
+    lines += [
+        "",
+        "Each comparison as the mean over seeds of the per-seed values (test BLEU), with two 95% intervals:",
+        "a two-level bootstrap that draws the test sentences (the same for every run) and, per cell, its",
+        f"seeds with replacement ({RESAMPLES:,} resamples; it counts both sources of chance, but with few",
+        "seeds it sees little of their spread and runs narrow), and a t-interval over the seeds' own values",
+        "(it counts the seeds only, on this one test set, and is wide with few seeds):",
+        "",
+        "| comparison | seeds | mean | 95%, seeds and sentences (bootstrap) | 95%, seeds (t) | per seed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, cells, combine, seeds in comparisons(runs):
+        if not seeds:
+            lines.append(f"| {name} | 0 | - | - | - | - |")
+            continue
+        (_, low, high) = seeds_and_sentences_bootstrap({c: [stats[(*c, s)] for s in seeds] for c in cells}, combine)[
+            "d"
+        ]
+        values = [
+            combine({c: next(r["test_bleu"] for r in runs if (*cell(r), r["seed"]) == (*c, s)) for c in cells})["d"]
+            for s in seeds
+        ]
+        sd = seed_sd(values)
+        t = "-" if sd is None else interval(statistics.mean(values), T975[len(values) - 1] * sd / len(values) ** 0.5)
+        per_seed = ", ".join(f"{s}: {v:+.2f}" for s, v in zip(seeds, values))
+        mean = statistics.mean(values)  # the hypotheses rescore to these (test_statistics)
+        lines.append(f"| {name} | {len(seeds)} | {mean:+.2f} | [{low:+.2f}, {high:+.2f}] | {t} | {per_seed} |")
+    lines += ["", "### How much seeds move the results", "", *spread_table(runs)]
+    return "\n".join(lines)
+
+
+def interval(mean, half):
+    return f"[{mean - half:+.2f}, {mean + half:+.2f}]"
+
+
+def qknorm_minus_dot_by_seed(runs):
+    """{norm: [QKNorm - dot test BLEU per seed]} over the seeds with both runs of the norm stopped
+    (every run of RUNS counts as stopped when it has a test BLEU)."""
+    score = {(r["norm"], r["attention"], r["seed"]): r["test_bleu"] for r in runs if r.get("test_bleu") is not None}
+    out = {}
+    for norm in NORMS:
+        seeds = sorted(s for n, a, s in score if (n, a) == (norm, "dot") and (norm, "qknorm", s) in score)
+        out[norm] = [score[norm, "qknorm", s] - score[norm, "dot", s] for s in seeds]
+    return out
+
+
+def spread_table(runs):
+    """The seed-to-seed standard deviation at convergence beside the ten-epoch 2x2's."""
     ten = ten_epoch_runs()
-    per_seed = {}
-    for r in ten:
-        per_seed.setdefault((r["norm"], r["seed"]), {})[r["attention"]] = r["test_bleu"]
-    diffs = {}
-    for (norm, _), v in per_seed.items():
-        if len(v) == 2:
-            diffs.setdefault(norm, []).append(v["qknorm"] - v["dot"])
-    if not diffs or min(map(len, diffs.values())) < 2:
-        return "The ten-epoch 2x2 has too few seeds to estimate how seeds spread."
-    sd = statistics.mean(statistics.stdev(d) for d in diffs.values())
+    done = [r for r in runs if stopped(r)]
+
+    def sd_of(values):
+        sd = seed_sd(values)
+        return (
+            f"{sd:.2f} ({len(values)} seeds)" if sd is not None else f"- ({len(values)} seed{'s' * (len(values) != 1)})"
+        )
+
     lines = [
-        "One seed per cell measures one trained model per cell: the bootstrap above says how sure the",
-        "difference is for these models, not for the recipe. How much seeds move it, taken from the",
-        f"ten-epoch 2x2 (3 seeds; QKNorm - dot per seed, standard deviation {sd:.2f} test BLEU averaged over",
-        "the two norms; converged models may spread less), and the 95% half-width of the mean difference",
-        "that n seeds per cell would give:",
+        "Standard deviation over seeds of test BLEU (best-dev checkpoint for the converged runs):",
+        "",
+        "| quantity | converged | ten epochs (1,400 updates) |",
+        "|---|---|---|",
+    ]
+    for c in CELLS:
+        lines.append(
+            f"| {SHORT[c]} | {sd_of([r['test_bleu'] for r in done if cell(r) == c])} "
+            f"| {sd_of([r['test_bleu'] for r in ten if cell(r) == c])} |"
+        )
+    conv, at_ten = qknorm_minus_dot_by_seed(done), qknorm_minus_dot_by_seed(ten)
+    for norm in NORMS:
+        lines.append(f"| QKNorm - dot under {NORMS[norm]} | {sd_of(conv[norm])} | {sd_of(at_ten[norm])} |")
+    return lines
+
+
+def seeds_section(runs):
+    """How large a QKNorm - dot difference n seeds resolve: from the converged runs' own spread once
+    a norm has two seeds of both runs stopped, until then from the ten-epoch 2x2's."""
+    converged = {n: d for n, d in qknorm_minus_dot_by_seed([r for r in runs if stopped(r)]).items() if len(d) > 1}
+    if converged:
+        diffs = list(converged.values())
+        source = "the converged runs (" + ", ".join(f"{NORMS[n]}: {len(d)} seeds" for n, d in converged.items())
+    else:
+        diffs = [d for d in qknorm_minus_dot_by_seed(ten_epoch_runs()).values() if len(d) > 1]
+        source = "the ten-epoch 2x2, as no norm has two converged seeds yet (3 seeds per norm"
+    if not diffs:
+        return "Too few seeds to estimate how seeds spread."
+    # pooled over the norms: each norm's variance weighted by its degrees of freedom
+    sd = (sum((len(d) - 1) * statistics.variance(d) for d in diffs) / sum(len(d) - 1 for d in diffs)) ** 0.5
+    lines = [
+        f"How much seeds move QKNorm - dot, taken from {source}; standard deviation {sd:.2f} test BLEU,",
+        "pooled over the norms), and the 95% half-width of the mean difference that n seeds per cell",
+        "would give (t over seeds):",
         "",
         "| seeds per cell | 95% half-width, QKNorm - dot under one norm |",
         "|---|---|",
@@ -304,7 +449,9 @@ def seeds_section():
         lines.append(f"| {n} | {T975[n - 1] * sd / n**0.5:.2f} BLEU |")
     lines += [
         "",
-        "A difference smaller than the half-width is not resolved by that many seeds.",
+        "A difference smaller than the half-width is not resolved by that many seeds. A standard deviation",
+        "estimated from few seeds is itself uncertain (its 95% interval runs from 0.52 to 6.3 times the",
+        "estimate with 3 seeds, 0.45 to 32 times with 2): read the table as an order of magnitude.",
     ]
     return "\n".join(lines)
 
@@ -324,9 +471,15 @@ def how_it_ran(runs):
                 )
         resumed = ", ".join(f"{u:,}" for u in r.get("resumed_at_updates", []))
         lost = len(r.get("lost_curves", []))
+        restarts = sum(c.get("note", "").startswith("checkpoints lost") for c in r.get("lost_curves", []))
         lines.append(
             f"- {SHORT[cell(r)]}, seed {r['seed']}: commit {r['commit']}, {r['threads']} thread(s), "
             + (f"resumed at {resumed} updates" if resumed else "never resumed")
+            + (
+                f"; restarted from its first update {restarts} time(s), its checkpoints lost with a machine"
+                if restarts
+                else ""
+            )
             + (f"; {lost} earlier partial curve(s)" if lost else "")
             + (f" ({'; '.join(reproduced)})" if reproduced else "")
             + "."
@@ -347,21 +500,30 @@ def status(runs):
 
 def answer(runs):
     """The question's answer in one paragraph, or why there is none yet."""
-    by_key = {(r["norm"], r["attention"], r["seed"]): r for r in runs}
+    by_seed = qknorm_minus_dot_by_seed([r for r in runs if stopped(r)])
     said = []
     for norm in ("layernorm", "scalenorm"):
-        dot, qk = by_key.get((norm, "dot", 1)), by_key.get((norm, "qknorm", 1))
-        if dot and qk and stopped(dot) and stopped(qk):
+        diffs = by_seed[norm]
+        if diffs:
+            seeds = stopped_seeds(runs, ((norm, "dot"), (norm, "qknorm")))
+            dot, qk = (
+                statistics.mean(r["test_bleu"] for r in runs if (*cell(r), r["seed"]) in {(norm, a, s) for s in seeds})
+                for a in ("dot", "qknorm")
+            )
             said.append(
-                f"Under {NORMS[norm]}, converged (seed 1): QKNorm {qk['test_bleu']:.2f} against scaled dot "
-                f"{dot['test_bleu']:.2f} test BLEU ({qk['test_bleu'] - dot['test_bleu']:+.2f})."
+                f"Under {NORMS[norm]}, converged ({len(diffs)} seed{'s' * (len(diffs) > 1)}): QKNorm {qk:.2f} against "
+                f"scaled dot {dot:.2f} test BLEU ({statistics.mean(diffs):+.2f}, per seed "
+                f"{', '.join(f'{d:+.2f}' for d in diffs)})."
             )
     if not said:
         return (
             "No answer yet: no norm has both of its runs stopped. The curves below show where the runs stand;"
             " their difference is not a result until the rule stops them."
         )
-    return " ".join(said) + " One seed: see How many seeds before reading more into it."
+    return (
+        " ".join(said)
+        + " Intervals that count seeds and test sentences: Over seeds; how many seeds resolve what: How many seeds."
+    )
 
 
 def write_report(records, data_dir):
@@ -404,7 +566,8 @@ def write_report(records, data_dir):
         cap_epochs=round(max_update / epoch_updates) if epoch_updates else "?",
         cap_factor=round(max_update / TEN_EPOCH_UPDATES),
         epochs_to_plateau=epochs_to_plateau(runs),
-        seeds=seeds_section(),
+        over_seeds=over_seeds_section(runs, stats),
+        seeds=seeds_section(runs),
         how_it_ran=how_it_ran(runs),
     )
     write_text(os.path.join(records, "README.md"), text)

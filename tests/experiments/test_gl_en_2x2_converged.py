@@ -1,12 +1,14 @@
 """The 2x2 to convergence (examples/ted/gl-en-2x2-converged/run.sh, experiments/gl_en_2x2_converged.py)
 at smoke size: the stopping rule on made-up curves; one run trained until the rule stops it, its
 record and hypotheses; a rerun skips it; an unfinished run resumes from its checkpoint, and one
-whose checkpoints are gone restarts from scratch with its earlier curve kept."""
+whose checkpoints are gone restarts from scratch with its earlier curve kept; checkpoints never go
+where git would track them."""
 
 import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,21 +134,23 @@ def test_an_unfinished_run_resumes_from_its_checkpoint(stopped, gl_en_data):
     assert f"@ {resumed_at} updates)" in train_log  # fairseq's "Loaded checkpoint ... (epoch E @ N updates)"
 
 
-def test_a_snapshot_carries_an_unfinished_run_to_another_machine(stopped, gl_en_data):
-    work, records = stopped
-    r = entry_of(records)
-    reopen(records, r)
-    campaign(work, records, gl_en_data, SNAPSHOT="1")
-    info = json.loads((records / "resume" / "layernorm-qknorm-seed1.json").read_text())
-    assert info["updates"] == r["updates"] and info["best_updates"] == r["best_updates"]
-    assert (info["epoch"], info["best_epoch"]) == (r["epochs"], r["best_epoch"])  # counted as the log counts
-    shutil.rmtree(work / "arms" / "qknorm-seed1")  # another machine: only the records are there
-    proc = campaign(work, records, gl_en_data, PATIENCE="50", MAX_UPDATE=str(r["updates"] + 30))
-    assert "restored from its snapshot" in proc.stderr and "fairseq-train resumes" in proc.stderr
-    after = entry_of(records)
-    assert after["resumed_at_updates"][-1] == info["updates"]
-    assert after["dev_curve"][: len(r["dev_curve"])] == r["dev_curve"] and after["stop_reason"] == "cap"
-    assert not (records / "resume").exists() or not list((records / "resume").iterdir())  # a stopped run needs none
+def test_checkpoints_never_go_where_git_would_track_them(gl_en_data, tmp_path):
+    repo = tmp_path / "clone"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / ".gitignore").write_text("/work/\n")
+
+    def run(arm_dir):
+        cmd = [sys.executable, "-m", "experiments.gl_en_2x2_converged", "run", str(tmp_path / "records")]
+        cmd += ["--arm-dir", str(arm_dir), "--norm", "layernorm", "--attention", "qknorm", "--seed", "1"]
+        cmd += ["--data", str(gl_en_data), "--bin", "-", "--spm", "-", "--user-dir", "-", "--", "false"]
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+
+    refused = run(repo / "arms" / "qknorm-seed1")
+    assert refused.returncode != 0 and "git would track its checkpoints" in refused.stderr
+    assert "Traceback" not in refused.stderr and not (repo / "arms").exists()
+    for allowed in (repo / "work" / "arms" / "qknorm-seed1", tmp_path / "work" / "arms" / "qknorm-seed1"):
+        proc = run(allowed)  # past the check: the stand-in for fairseq-train (`false`) fails
+        assert "fairseq-train failed with exit status 1" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_the_report_reads_the_records(stopped, gl_en_data):
@@ -261,3 +265,71 @@ def test_the_difference_summary_reads_early_and_late_validations():
     (line,) = difference_summary([run("dot", 5), run("qknorm", 3, 4)]).splitlines()
     assert line.endswith("-2.00 at the one validation both runs have (700 updates).")
     assert difference_summary([run("dot", 5)]) == "No norm has both of its runs validated yet."
+
+
+REFS = ["the cat sat on the mat .", "a dog ran in the park", "it is raining today", "we like green tea"]
+GOOD = ["the cat sat on the mat .", "a dog ran in a park", "it rains today", "we like tea"]
+POOR = ["the mat", "a park", "today", "tea"]
+
+
+def test_the_bootstrap_over_seeds_and_sentences():
+    from experiments.corpus_scores import bleu_statistics
+    from experiments.gl_en_2x2_converged_report import paired_bootstrap, seeds_and_sentences_bootstrap
+
+    # forty sentences: the sentences' own chance small beside two seeds that disagree
+    good, poor = bleu_statistics(GOOD * 10, REFS * 10), bleu_statistics(POOR * 10, REFS * 10)
+
+    def diff(s):
+        return {"d": s["qk"] - s["dot"]}
+
+    # one seed per cell: the paired bootstrap over sentences, draw for draw
+    one = seeds_and_sentences_bootstrap({"qk": [good], "dot": [poor]}, diff)["d"]
+    assert one == paired_bootstrap({"qk": good, "dot": poor}, diff)["d"]
+    # seeds that agree add nothing; seeds that disagree move the mean and widen the interval
+    agree = seeds_and_sentences_bootstrap({"qk": [good, good], "dot": [poor, poor]}, diff)["d"]
+    assert agree[0] == pytest.approx(one[0]) and agree[2] - agree[1] <= one[2] - one[1] + 1e-9
+    disagree = seeds_and_sentences_bootstrap({"qk": [good, poor], "dot": [poor, poor]}, diff)["d"]
+    assert disagree[0] == pytest.approx(one[0] / 2)
+    assert disagree[1] <= 0.0 + 1e-9 and disagree[2] - disagree[1] > one[2] - one[1]  # a draw of two poor seeds
+
+
+def made_up_runs(test_bleu):
+    """Stopped runs of every cell, {(norm, attention, seed): test BLEU}."""
+    return [
+        dict(norm=n, attention=a, seed=s, stop_reason="plateau", test_bleu=b, test_chrf=b + 20.0)
+        for (n, a, s), b in test_bleu.items()
+    ]
+
+
+def test_the_over_seeds_section_and_how_many_seeds():
+    from experiments.corpus_scores import bleu_statistics
+    from experiments.gl_en_2x2_converged_report import over_seeds_section, seeds_section
+    from experiments.gl_en_2x2_records import CELLS
+
+    stats = bleu_statistics(GOOD, REFS)
+    bleu = {(n, a, s): 10.0 + s + (0.5 * s if a == "qknorm" else 0.0) for n, a in CELLS for s in (1, 2, 3)}
+    del bleu["layernorm", "qknorm", 3]  # its third seed still trains
+    runs = made_up_runs(bleu)
+    text, spread = over_seeds_section(runs, {k: stats for k in bleu}).split("### How much seeds move the results")
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
+    # per cell: mean (SD) over the stopped seeds
+    assert rows["| ScaleNorm + QKNorm"][1:4] == ["3", "13.00 (1.50)", "33.00 (1.50)"]
+    assert rows["| LayerNorm + QKNorm"][1:3] == ["2", "12.25 (1.06)"]
+    # QKNorm - dot per seed is 0.5 s: mean +1.00, t-interval over 3 seeds = 1 +- 4.303 * 0.5 / sqrt(3)
+    scalenorm = rows["| QKNorm - dot under ScaleNorm"]
+    assert scalenorm[1:3] == ["3", "+1.00"] and scalenorm[4] == "[-0.24, +2.24]"
+    assert scalenorm[5] == "1: +0.50, 2: +1.00, 3: +1.50 |"
+    assert rows["| QKNorm - dot under LayerNorm"][1] == "2"  # only the seeds with both runs stopped
+    assert rows["| QKNorm (2x2 effect)"][1] == "2"
+    # the spread: SD of QKNorm - dot at convergence, and how many seeds now reads the converged runs
+    assert "| ScaleNorm + QKNorm | 1.50 (3 seeds) |" in spread and "| LayerNorm + QKNorm | 1.06 (2 seeds) |" in spread
+    assert "| QKNorm - dot under ScaleNorm | 0.50 (3 seeds) |" in spread
+    how_many = seeds_section(runs)
+    assert "taken from the converged runs (ScaleNorm: 3 seeds, LayerNorm: 2 seeds" in how_many
+    pooled = ((2 * 0.5**2 + 1 * 0.125) / 3) ** 0.5  # ScaleNorm: SD 0.5 over 3 seeds; LayerNorm: 0.125 variance over 2
+    assert (
+        f"standard deviation {pooled:.2f} test BLEU" in how_many
+        and f"| 3 | {4.303 * pooled / 3**0.5:.2f} BLEU |" in how_many
+    )
+    one_seed = made_up_runs({k: v for k, v in bleu.items() if k[2] == 1})
+    assert "taken from the ten-epoch 2x2, as no norm has two converged seeds yet" in seeds_section(one_seed)

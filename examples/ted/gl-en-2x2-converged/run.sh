@@ -8,15 +8,11 @@
 #   DATA_DIR=path/to/ted-gl-en bash examples/ted/gl-en-2x2-converged/run.sh
 #
 # Resumable: rerun the same command. A stopped run (its record says plateau or cap) is skipped; an
-# unfinished one resumes from its checkpoint_last.pt while WORK holds it, else from its snapshot in
-# resume/ here, and restarts from scratch when there is neither (its curve so far stays in the
-# record). Every validation rewrites the run's entry of runs.json here (COMMIT=1 also git-commits
-# it), so no measured point is lost. To carry unfinished runs to another machine, save snapshots
-# while (or after) they train, with the same settings:
-#
-#   SNAPSHOT=1 DATA_DIR=path/to/ted-gl-en bash examples/ted/gl-en-2x2-converged/run.sh
-#
-# (about 25 MB per run of the `cpu` preset; COMMIT=1 commits them; a run that stops deletes its own).
+# unfinished one resumes from its checkpoint_last.pt while WORK holds it, and restarts from its
+# first update when WORK lost it (a new machine; its curve so far stays in the record, and the report
+# says which runs restarted). Every validation rewrites the run's entry of runs.json here (COMMIT=1
+# also git-commits it), so no measured point is lost. Checkpoints stay in WORK, outside the
+# repository: only records and hypotheses are committed.
 #
 # Settings (environment): DATA_DIR, CELLS (default: the paper's system and its LayerNorm control
 #   first, "layernorm.dot layernorm.qknorm scalenorm.dot scalenorm.qknorm"), SEEDS (default 1),
@@ -66,16 +62,6 @@ run_one() {
 
 # shellcheck disable=SC2086
 mapfile -t todo < <(python -m experiments.gl_en_2x2_converged pending "$RECORDS" --seeds $SEEDS --cells $CELLS)
-if [ "${SNAPSHOT:-0}" = 1 ]; then
-    [ "${COMMIT:-0}" != 1 ] || commit=(--commit)
-    for run in "${todo[@]}"; do
-        read -r norm attention seed <<< "$run"
-        set_arm "$norm" "$attention" "$seed"
-        python -m experiments.gl_en_2x2_converged snapshot "$RECORDS" --arm-dir "$DIR" --norm "$norm" \
-            --attention "$attention" --seed "$seed" "${commit[@]}"
-    done
-    exit 0
-fi
 log "2x2 to convergence: ${#todo[@]} runs not stopped yet in $RECORDS; $JOBS at a time, $THREADS thread(s) each"
 failed=0
 for run in "${todo[@]}"; do
