@@ -278,7 +278,7 @@ def beside_table(runs):
         lines.append(
             f"| {SHORT[c]} | {fmt(PAPER.get(c))} | {fmt(t1[0] if t1 else None)} | "
             f"{fmt(statistics.mean(ta) if ta else None)} | {fmt(now) if now is not None else state} | "
-            + (f"{statistics.mean(done):.2f} ({len(done)} seeds)" if done else "-")
+            + (f"{statistics.mean(done):.2f} ({len(done)} seed{'s' * (len(done) > 1)})" if done else "-")
             + " |"
         )
     lines.append("")
@@ -438,9 +438,9 @@ def seeds_section(runs):
     # pooled over the norms: each norm's variance weighted by its degrees of freedom
     sd = (sum((len(d) - 1) * statistics.variance(d) for d in diffs) / sum(len(d) - 1 for d in diffs)) ** 0.5
     lines = [
-        f"How much seeds move QKNorm - dot, taken from {source}; standard deviation {sd:.2f} test BLEU,",
-        "pooled over the norms), and the 95% half-width of the mean difference that n seeds per cell",
-        "would give (t over seeds):",
+        f"How much seeds move QKNorm - dot is taken from {source};",
+        f"standard deviation {sd:.2f} test BLEU, pooled over the norms). The 95% half-width of the mean",
+        "difference that n seeds per cell would give (t over seeds):",
         "",
         "| seeds per cell | 95% half-width, QKNorm - dot under one norm |",
         "|---|---|",
@@ -512,8 +512,9 @@ def answer(runs):
             )
             said.append(
                 f"Under {NORMS[norm]}, converged ({len(diffs)} seed{'s' * (len(diffs) > 1)}): QKNorm {qk:.2f} against "
-                f"scaled dot {dot:.2f} test BLEU ({statistics.mean(diffs):+.2f}, per seed "
-                f"{', '.join(f'{d:+.2f}' for d in diffs)})."
+                f"scaled dot {dot:.2f} test BLEU ({statistics.mean(diffs):+.2f}"
+                + (f"; per seed {', '.join(f'{d:+.2f}' for d in diffs)}" if len(diffs) > 1 else "")
+                + ")."
             )
     if not said:
         return (
