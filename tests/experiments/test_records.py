@@ -12,8 +12,8 @@ from experiments.portable import portable
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDS = sorted([*(ROOT / "examples").rglob("*.json"), *(ROOT / "benchmarks" / "results").glob("*.json")])
-# An absolute path of two or more parts (/work/runs/x, ~/data/x), or a relative one that leaves
-# the repository (../shared/data), where a path can begin: not inside a word, a URL or a variable.
+# An absolute path of two or more parts (/home/me/runs/x, ~/data/x), or a relative one that leaves
+# the repository (../data/ted), where a path can begin: not inside a word, a URL or a variable.
 MACHINE_PATH = re.compile(r"(?:^|(?<=[\s=,:;'\"(]))(?:~?/(?:[\w.+-]+/)+[\w.+-]*|(?:\.\./)+[\w.+-]+)")
 
 
@@ -33,9 +33,9 @@ def test_the_pattern_finds_machine_paths_and_nothing_else():
     found = [
         s
         for s in (
-            "fairseq-train /work/runs/x/bin --user-dir $USER_DIR",
-            "--lengths-from ../shared/data/ted/train.gl,../shared/data/ted/train.en",
-            "--markdown=/tmp/w/small.md",
+            "fairseq-train /home/me/runs/x/bin --user-dir $USER_DIR",
+            "--lengths-from ../data/ted/train.gl,../data/ted/train.en",
+            "--markdown=/scratch/w/small.md",
             "see ~/data/ted/train.en",
         )
         if MACHINE_PATH.search(s)

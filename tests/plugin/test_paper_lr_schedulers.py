@@ -45,7 +45,7 @@ def warmup_flat(lr=1e-3, warmup=10, stop_lr=5e-4, **kwargs):
 
 def validate(scheduler, num_updates, score):
     """What fairseq-train does around a validation after NUM_UPDATES updates: the update's
-    step_update, then the score (fairseq_patches section 7), then the stop question."""
+    step_update, then the score (fairseq_patches section 8), then the stop question."""
     scheduler.step_update(num_updates)
     scheduler.step_validation(score)
     return scheduler.should_stop()
