@@ -55,21 +55,21 @@ def paired_bootstrap(stats, combine):
 
 
 def seeds_and_sentences_bootstrap(stats, combine):
-    """The same over seeds and test sentences: stats {cell: [one run's sentence statistics per seed]};
-    a cell's score is the mean corpus BLEU of its seeds. Each resample draws the test sentences (the
-    same for every run: the differences stay paired) and, per cell, as many of its seeds as it has,
-    with replacement. With one seed per cell it is the paired bootstrap over sentences alone (the seed
-    draws come from a generator of their own, so the sentence draws are the same)."""
+    """The same over seeds and test sentences: stats {cell: [one run's sentence statistics per seed]},
+    the same seeds in the same order for every cell; a cell's score is the mean corpus BLEU of its
+    seeds. Each resample draws the test sentences and the seeds with replacement, both the same for
+    every cell: the differences stay paired by sentence and by seed (the runs of one seed share their
+    data order). With one seed it is the paired bootstrap over sentences alone (the seeds are drawn
+    by a generator of their own, so the sentence draws are the same)."""
     point = combine({c: statistics.mean(corpus_bleu(s) for s in runs) for c, runs in stats.items()})
+    (seeds,) = {len(runs) for runs in stats.values()}
     n = len(next(iter(stats.values()))[0])
     rng, seed_rng = np.random.default_rng(BOOTSTRAP_SEED), np.random.default_rng(BOOTSTRAP_SEED + 1)
     draws = {name: [] for name in point}
     for _ in range(RESAMPLES):
         rows = rng.integers(0, n, n)
-        score = {}
-        for c, runs in stats.items():
-            picked = seed_rng.integers(0, len(runs), len(runs)) if len(runs) > 1 else [0]
-            score[c] = statistics.mean(corpus_bleu(runs[i][rows]) for i in picked)
+        picked = seed_rng.integers(0, seeds, seeds)
+        score = {c: statistics.mean(corpus_bleu(runs[i][rows]) for i in picked) for c, runs in stats.items()}
         for name, value in combine(score).items():
             draws[name].append(value)
     return {name: (point[name], *np.percentile(draws[name], [2.5, 97.5])) for name in point}
@@ -352,10 +352,10 @@ def over_seeds_section(runs, stats):
     lines += [
         "",
         "Each comparison as the mean over seeds of the per-seed values (test BLEU), with two 95% intervals:",
-        "a two-level bootstrap that draws the test sentences (the same for every run) and, per cell, its",
-        f"seeds with replacement ({RESAMPLES:,} resamples; it counts both sources of chance, but with few",
-        "seeds it sees little of their spread and runs narrow), and a t-interval over the seeds' own values",
-        "(it counts the seeds only, on this one test set, and is wide with few seeds):",
+        "a two-level bootstrap that draws the test sentences and the seeds with replacement, both the same",
+        f"for every cell ({RESAMPLES:,} resamples; it counts both sources of chance, but with few seeds it",
+        "sees little of their spread and runs narrow), and a t-interval over the per-seed values (it counts",
+        "the seeds only, on this one test set, and is wide with few seeds):",
         "",
         "| comparison | seeds | mean | 95%, seeds and sentences (bootstrap) | 95%, seeds (t) | per seed |",
         "|---|---|---|---|---|---|",
@@ -364,18 +364,14 @@ def over_seeds_section(runs, stats):
         if not seeds:
             lines.append(f"| {name} | 0 | - | - | - | - |")
             continue
-        (_, low, high) = seeds_and_sentences_bootstrap({c: [stats[(*c, s)] for s in seeds] for c in cells}, combine)[
-            "d"
-        ]
-        values = [
-            combine({c: next(r["test_bleu"] for r in runs if (*cell(r), r["seed"]) == (*c, s)) for c in cells})["d"]
-            for s in seeds
-        ]
+        runs_of = {c: [stats[(*c, s)] for s in seeds] for c in cells}
+        (point, low, high) = seeds_and_sentences_bootstrap(runs_of, combine)["d"]
+        # per seed from the hypotheses, unrounded, as in the per-seed tables above
+        values = [combine({c: corpus_bleu(stats[(*c, s)]) for c in cells})["d"] for s in seeds]
         sd = seed_sd(values)
         t = "-" if sd is None else interval(statistics.mean(values), T975[len(values) - 1] * sd / len(values) ** 0.5)
         per_seed = ", ".join(f"{s}: {v:+.2f}" for s, v in zip(seeds, values))
-        mean = statistics.mean(values)  # the hypotheses rescore to these (test_statistics)
-        lines.append(f"| {name} | {len(seeds)} | {mean:+.2f} | [{low:+.2f}, {high:+.2f}] | {t} | {per_seed} |")
+        lines.append(f"| {name} | {len(seeds)} | {point:+.2f} | [{low:+.2f}, {high:+.2f}] | {t} | {per_seed} |")
     lines += ["", "### How much seeds move the results", "", *spread_table(runs)]
     return "\n".join(lines)
 

@@ -301,16 +301,19 @@ def made_up_runs(test_bleu):
     ]
 
 
-def test_the_over_seeds_section_and_how_many_seeds():
-    from experiments.corpus_scores import bleu_statistics
-    from experiments.gl_en_2x2_converged_report import over_seeds_section, seeds_section
+def test_the_over_seeds_section_and_how_many_seeds(monkeypatch):
+    import numpy as np
+
+    from experiments import gl_en_2x2_converged_report as report
     from experiments.gl_en_2x2_records import CELLS
 
-    stats = bleu_statistics(GOOD, REFS)
     bleu = {(n, a, s): 10.0 + s + (0.5 * s if a == "qknorm" else 0.0) for n, a in CELLS for s in (1, 2, 3)}
     del bleu["layernorm", "qknorm", 3]  # its third seed still trains
     runs = made_up_runs(bleu)
-    text, spread = over_seeds_section(runs, {k: stats for k in bleu}).split("### How much seeds move the results")
+    # made-up sentence statistics whose "corpus BLEU" is their sum: ten sentences of a tenth each
+    monkeypatch.setattr(report, "corpus_bleu", lambda s: float(s.sum()))
+    stats = {k: np.full((10, 1), b / 10) for k, b in bleu.items()}
+    text, spread = report.over_seeds_section(runs, stats).split("### How much seeds move the results")
     rows = {line.split(" | ")[0]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
     # per cell: mean (SD) over the stopped seeds
     assert rows["| ScaleNorm + QKNorm"][1:4] == ["3", "13.00 (1.50)", "33.00 (1.50)"]
@@ -319,12 +322,15 @@ def test_the_over_seeds_section_and_how_many_seeds():
     scalenorm = rows["| QKNorm - dot under ScaleNorm"]
     assert scalenorm[1:3] == ["3", "+1.00"] and scalenorm[4] == "[-0.24, +2.24]"
     assert scalenorm[5] == "1: +0.50, 2: +1.00, 3: +1.50 |"
+    # the bootstrap draws seeds (these sentences all weigh the same): within the seeds' own range
+    low, high = (float(x) for x in scalenorm[3].strip("[]").split(", "))
+    assert 0.5 <= low < 1.0 < high <= 1.5
     assert rows["| QKNorm - dot under LayerNorm"][1] == "2"  # only the seeds with both runs stopped
     assert rows["| QKNorm (2x2 effect)"][1] == "2"
     # the spread: SD of QKNorm - dot at convergence, and how many seeds now reads the converged runs
     assert "| ScaleNorm + QKNorm | 1.50 (3 seeds) |" in spread and "| LayerNorm + QKNorm | 1.06 (2 seeds) |" in spread
     assert "| QKNorm - dot under ScaleNorm | 0.50 (3 seeds) |" in spread
-    how_many = seeds_section(runs)
+    how_many = report.seeds_section(runs)
     assert "taken from the converged runs (ScaleNorm: 3 seeds, LayerNorm: 2 seeds" in how_many
     pooled = ((2 * 0.5**2 + 1 * 0.125) / 3) ** 0.5  # ScaleNorm: SD 0.5 over 3 seeds; LayerNorm: 0.125 variance over 2
     assert (
@@ -332,4 +338,4 @@ def test_the_over_seeds_section_and_how_many_seeds():
         and f"| 3 | {4.303 * pooled / 3**0.5:.2f} BLEU |" in how_many
     )
     one_seed = made_up_runs({k: v for k, v in bleu.items() if k[2] == 1})
-    assert "taken from the ten-epoch 2x2, as no norm has two converged seeds yet" in seeds_section(one_seed)
+    assert "taken from the ten-epoch 2x2, as no norm has two converged seeds yet" in report.seeds_section(one_seed)
