@@ -26,6 +26,10 @@ class Size:
 
 SIZES = {
     "glen": Size(dim=512, layers=4, heads=4, ffn=2048, vocab=8000),  # the paper's gl-en model
+    # fairseq's transformer (Vaswani et al.'s base) and transformer_vaswani_wmt_en_de_big, with a
+    # WMT-sized joined vocabulary: the GPU call's larger sizes (benchmarks/gpu_call.py)
+    "base": Size(dim=512, layers=6, heads=8, ffn=2048, vocab=32000),
+    "big": Size(dim=1024, layers=6, heads=16, ffn=4096, vocab=32000),
     "small": Size(dim=128, layers=2, heads=4, ffn=512, vocab=2000),
     "tiny": Size(dim=32, layers=1, heads=2, ffn=64, vocab=64),  # --quick (the test)
 }

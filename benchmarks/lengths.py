@@ -1,8 +1,11 @@
 """Sentence-pair lengths of a parallel corpus (numpy only: read before fairseq is imported)."""
 
+import functools
+
 import numpy as np
 
 
+@functools.cache  # every workload of a process reads the same text: once
 def read_pair_lengths(src_path: str, tgt_path: str) -> np.ndarray:
     """(n, 2) source and target lengths of the non-empty pairs of a parallel corpus."""
     try:

@@ -312,9 +312,9 @@ def record_folders(args, src, tgt):
     return folders
 
 
-def update_markdown(path: Path, device: str, table: str):
+def update_markdown(path: Path, device: str, table: str, writer: str = "benchmarks/run.py"):
     """Replace this device's section between its markers; add the section if it is missing."""
-    begin, end = f"<!-- BEGIN {device} results (written by benchmarks/run.py) -->", f"<!-- END {device} results -->"
+    begin, end = f"<!-- BEGIN {device} results (written by {writer}) -->", f"<!-- END {device} results -->"
     text = path.read_text() if path.exists() else ""
     section = f"{begin}\n{table}{end}"
     if begin in text and end in text:

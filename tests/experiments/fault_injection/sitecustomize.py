@@ -11,6 +11,9 @@ Half the bytes reach the file, then the process dies as from `kill -9`: no clean
 handler, no atexit. With FAIRSEQ_KILL_ONLY=TEXT as well, only a fairseq-train whose command line
 holds TEXT (one run's --save-dir, say) does so.
 FAIL_MODULE=NAME makes `python -m NAME` exit 1 at its start, before it writes anything.
+KILL_AFTER_WRITE=NAME:N, with KILL_MARK=PATH, makes a process SIGKILL itself right after its N-th
+complete write of a file named NAME (the os.replace of fairseq_qknorm_cli.files' atomic writes),
+once: it creates PATH as it dies, and no process kills itself while PATH exists.
 Any other process, or no variable, is left untouched.
 """
 
@@ -84,3 +87,20 @@ _module = os.environ.get("FAIL_MODULE")
 if _module and sys.orig_argv[1:3] == ["-m", _module]:
     print(f"error: {_module}: failure injected by tests/experiments/fault_injection (FAIL_MODULE)", file=sys.stderr)
     os._exit(1)  # sys.exit here would stop the interpreter's start-up with a fatal error instead
+
+_kill_write = os.environ.get("KILL_AFTER_WRITE")
+if _kill_write and not os.path.exists(os.environ["KILL_MARK"]):
+    _name, _, _nth = _kill_write.rpartition(":")
+    _writes = 0
+    _replace = os.replace
+
+    def _replace_then_die(src, dst, *args, **kwargs):
+        global _writes
+        _replace(src, dst, *args, **kwargs)
+        if os.path.basename(dst) == _name:
+            _writes += 1
+            if _writes == int(_nth) and not os.path.exists(os.environ["KILL_MARK"]):
+                open(os.environ["KILL_MARK"], "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    os.replace = _replace_then_die
