@@ -32,11 +32,13 @@ runs it, becomes one results.json and its figures with
 """
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import functools
 import json
 import math
+import re
 import shlex
 import sys
 import tempfile
@@ -64,17 +66,151 @@ def fairseq_flags(bin_dir, arm, lr, seed, updates, warmup, save_dir, device="cpu
     return flags if device == "cpu" else [f for f in flags if f != "--cpu"]
 
 
-def snapshot(model, criterion, sample):
-    """The fp32 sweep's attention statistics on a float32 copy of the fp16 weights, and the loss
-    (bits per token) of the fp16 model itself on the same batch (None when not finite)."""
+# ---------------------------------------------------------------------------------------------
+# Where an fp16 forward pass overflows
+# ---------------------------------------------------------------------------------------------
+# What the sweep follows of a forward pass: the attention logits (recorded from inside each
+# attention module, as "encoder self 0"), and the output of every module that computes (each
+# Linear, Embedding and norm; dropout passes its input on) and of every layer, by fairseq's module
+# names. Named groups of them, drawn and tabled together:
+OUTPUT_LOGITS = "decoder.output_projection"  # before the softmax
+GROUPS = {
+    "output logits": re.compile(rf"^{re.escape(OUTPUT_LOGITS)}$"),
+    "ffn hidden": re.compile(r"\.fc1$"),  # before the activation
+    "layer output": re.compile(r"^(encoder|decoder)\.layers\.\d+$"),  # the residual stream after the layer
+}
+ATTENTION_LOGITS = "attention logits"
+
+
+def followed(name, module):
+    """Whether the sweep records the largest value of module's output."""
+    import torch
+    from fairseq.modules import FairseqDropout
+
+    computes = next(module.children(), None) is None and not isinstance(module, (FairseqDropout, torch.nn.Dropout))
+    return computes or bool(GROUPS["layer output"].match(name))
+
+
+def grouped(measured):
+    """A largest_values record reduced to its groups, {group: {name: value}}: what every snapshot
+    keeps (all of it, for every module at every snapshot, would not fit in results.json)."""
+    outputs = measured["outputs"]
+    return {
+        ATTENTION_LOGITS: measured[ATTENTION_LOGITS],
+        **{
+            group: {name: v for name, v in outputs.items() if pattern.search(name)} for group, pattern in GROUPS.items()
+        },
+    }
+
+
+def site_value(measured, site):
+    """The largest value that `measured` (largest_values) holds for the module named site: its
+    output, or for an attention module that overflowed inside (fairseq's fused path calls no
+    projection module), its logits; None where it holds none."""
+    from fairseq_qknorm_cli.attention_stats import attention_module
+
+    if not measured or not site:
+        return None
+    if site in measured["outputs"]:
+        return measured["outputs"][site]
+    where = attention_module(site)
+    return None if where is None else measured[ATTENTION_LOGITS].get(f"{where[0]} {where[1]}")
+
+
+def tensors(value):
+    """The floating-point tensors in a module's input or output (tensors, tuples, lists, dicts)."""
     import torch
 
-    stats = SWEEP.attention_snapshot(copy.deepcopy(model).float(), criterion, sample)
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from tensors(v)
+
+
+def largest_abs(x):
+    """The largest |value| among x's finite entries (masked attention logits are -inf by design)."""
+    finite = x[x.isfinite()]
+    return float(finite.abs().max()) if finite.numel() else None
+
+
+def largest_values(model, criterion, sample):
+    """One forward pass of model on sample (loss included): the largest |value| of the attention
+    logits, {"attention logits": {"encoder self 0": ...}, ...}, and of every followed module's
+    output, {"outputs": {"decoder.output_projection": ..., ...}}."""
+    import torch
+
+    from fairseq_qknorm_cli.attention_stats import recording_attention, sort_key
+
+    logits, outputs = {}, {}
+
+    def record(into, key, value):
+        value = largest_abs(value)
+        if value is not None:
+            into[key] = max(into.get(key, value), value)
+
+    handles = [
+        module.register_forward_hook(lambda m, args, out, name=name: record(outputs, name, next(tensors(out))))
+        for name, module in model.named_modules()
+        if followed(name, module)
+    ]
+    model.eval()
+    try:
+        with torch.no_grad(), recording_attention(model, lambda where, _, x: record(logits, where, x)):
+            criterion(model, sample)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {
+        ATTENTION_LOGITS: {f"{w[0]} {w[1]}": logits[w] for w in sorted(logits, key=sort_key)},
+        "outputs": outputs,
+    }
+
+
+@contextlib.contextmanager
+def first_non_finite(model):
+    """While active, each forward pass of model reports into the dict yielded, as "site", the first
+    module whose output holds a value that is not finite, in the order the pass computes them
+    (a module ends after the modules inside it: the innermost one that made it); "input of NAME"
+    when NAME's input already holds one that no module output held: it was made between modules
+    (the embedding's scaling, say). Clear the dict before each pass."""
+    found = {}
+
+    def check(name, value):
+        if "site" not in found and any(not bool(t.isfinite().all()) for t in tensors(value)):
+            found["site"] = name
+
+    handles = []
+    for name, module in model.named_modules():
+        name = name or "model"
+        handles.append(module.register_forward_pre_hook(lambda m, args, name=name: check(f"input of {name}", args)))
+        handles.append(module.register_forward_hook(lambda m, args, out, name=name: check(name, out)))
+    try:
+        yield found
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def snapshot(model, criterion, sample):
+    """(stats, measured) on the fixed batch `sample`. measured: largest_values on a float32 copy of
+    the fp16 weights (so that a value past 65,504 is measured, not inf). stats: on the same copy,
+    the fp32 sweep's attention statistics and measured's groups ("max_abs"); and the loss (bits per
+    token) of the fp16 model itself (None when not finite)."""
+    import torch
+
+    fp32 = copy.deepcopy(model).float()
+    measured = largest_values(fp32, criterion, sample)
+    stats = {**SWEEP.attention_snapshot(fp32, criterion, sample), "max_abs": grouped(measured)}
     model.eval()
     with torch.no_grad():
         loss, sample_size, _ = criterion(model, sample)
     loss = float(loss) / sample_size / math.log(2)
-    return {**stats, "fp16_loss": loss if math.isfinite(loss) else None}
+    return {**stats, "fp16_loss": loss if math.isfinite(loss) else None}, measured
 
 
 def train_run(config, bin_dir, work_dir, arm, lr, seed, updates, warmup, stats_interval, device="cpu"):
@@ -113,9 +249,17 @@ def train_run(config, bin_dir, work_dir, arm, lr, seed, updates, warmup, stats_i
             "outcome": None,
             "stopped_at_update": None,
             "error": None,
+            # where the run ended: forward_overflow of the failing attempt, largest_values of its
+            # batch on a float32 copy of the fp16 weights, and (overflow_site_values) the site's
+            # largest value at each snapshot, where it is a followed module or an attention's logits
+            "overflow_site": None,
+            "failing_batch": None,
             "loss": [],  # per attempted update: forward loss, bits/token (None: not finite)
             "applied": [],  # per attempted update: False where fairseq skipped it (overflow)
             "loss_scale": [],  # per attempted update: the scale its backward pass used
+            # per attempted update: the first module whose fp16 output was not finite in its
+            # forward pass (first_non_finite); None: the forward pass was finite
+            "forward_overflow": [],
             "stats": [],
         }
         # The paths of this machine: the data, the plugin, the temporary save directory.
@@ -123,8 +267,12 @@ def train_run(config, bin_dir, work_dir, arm, lr, seed, updates, warmup, stats_i
             record["command"] = record["command"].replace(path, name)
         scaler = trainer.optimizer.scaler
 
+        measured = []  # largest_values of each snapshot: stats keep its groups only
+
         def take_snapshot():
-            record["stats"].append({"update": trainer.get_num_updates(), **snapshot(model, criterion, fixed_batch)})
+            stats, values = snapshot(model, criterion, fixed_batch)
+            record["stats"].append({"update": trainer.get_num_updates(), **stats})
+            measured.append(values)
 
         start = time.time()
         take_snapshot()
@@ -134,7 +282,10 @@ def train_run(config, bin_dir, work_dir, arm, lr, seed, updates, warmup, stats_i
                 forward.clear()
                 scale = float(scaler.loss_scale)
                 try:
-                    applied = trainer.train_step([sample]) is not None
+                    # Only the attempt's own forward pass: after "Minimum loss scale reached" fairseq
+                    # re-runs it under its NaN detector, which adds nothing where this one found the site.
+                    with first_non_finite(model) as overflow:
+                        applied = trainer.train_step([sample]) is not None
                 except FloatingPointError as e:
                     applied = False
                     minimum = MINIMUM_LOSS_SCALE in str(e)
@@ -149,12 +300,17 @@ def train_run(config, bin_dir, work_dir, arm, lr, seed, updates, warmup, stats_i
                 record["loss"].append(loss if loss is not None and math.isfinite(loss) else None)
                 record["applied"].append(applied)
                 record["loss_scale"].append(scale)
+                record["forward_overflow"].append(overflow.get("site"))
                 done = trainer.get_num_updates()
                 if record["outcome"] is None and done >= updates:
                     record["outcome"] = "finished"
                 if record["outcome"] is not None:
                     if record["outcome"] != "finished":
                         record["stopped_at_update"] = done + 1  # the update fairseq was attempting
+                        record["overflow_site"] = record["forward_overflow"][-1]
+                        # The failing batch again, on a float32 copy: how far past 65,504 each site went.
+                        failing = utils.move_to_cuda(sample) if device == "cuda" else sample
+                        record["failing_batch"] = largest_values(copy.deepcopy(model).float(), criterion, failing)
                     take_snapshot()
                     log(progress_line(record))
                     break
@@ -165,6 +321,11 @@ def train_run(config, bin_dir, work_dir, arm, lr, seed, updates, warmup, stats_i
             log(f"{arm} lr {lr:g} seed {seed} | stopped at update {record['stopped_at_update']}: {record['error']}")
         record["final_loss_scale"] = float(scaler.loss_scale)
         record["max_logit"] = max(sweep.finite(v for s in record["stats"] for v in s["max_logit"].values()))
+        # over the fixed batch's snapshots and, where the run ended, its failing batch
+        if record["overflow_site"] is not None:  # at every snapshot
+            record["overflow_site_values"] = [site_value(m, record["overflow_site"]) for m in measured]
+        measured.append(record["failing_batch"] or {"outputs": {}})
+        record["max_output_logit"] = max(sweep.finite(m["outputs"].get(OUTPUT_LOGITS) for m in measured), default=None)
         record["seconds"] = round(time.time() - start, 1)
         record["torch_threads"] = torch.get_num_threads()
     return record
@@ -177,7 +338,8 @@ def progress_line(record):
         f"{record['arm']} lr {record['lr']:g} seed {record['seed']} | update {s['update']} | "
         f"attempts {len(record['applied'])} ({skipped} skipped) | loss scale {record['loss_scale'][-1]:g} | "
         f"loss {sweep.fmt(record['loss'][-1], '.3f')} | fp16 fixed-batch loss {sweep.fmt(s['fp16_loss'], '.3f')} | "
-        f"max logit {sweep.fmt(max(s['max_logit'].values()), '.2f')}"
+        f"max logit {sweep.fmt(max(s['max_logit'].values()), '.2f')} | "
+        f"max |output logit| {sweep.fmt(s['max_abs']['output logits'].get(OUTPUT_LOGITS), '.1f')}"
     )
 
 
@@ -205,6 +367,7 @@ def summarize(run):
         "final_scale": run["final_loss_scale"],
         "final": final,
         "max_logit": run["max_logit"],
+        "max_output_logit": run.get("max_output_logit"),  # not in records made before it was measured
         # the first update whose snapshot saw a logit past fp16's range (float32 copy)
         "past_fp16_at": next(
             (s["update"] for s in run["stats"] if max(sweep.finite(s["max_logit"].values()), default=0) > FP16_MAX),
@@ -224,8 +387,8 @@ def fp32_runs(path=FP32_RESULTS):
 def markdown_table(runs, fp32):
     lines = [
         "| arm | peak lr | seed | fp16: outcome | updates applied | skipped | loss scale (first -> last) | "
-        "final loss | max logit | first logit > 65,504 at | fp32: final loss | fp32: max logit |",
-        "|" + "---|" * 12,
+        "final loss | max logit | first logit > 65,504 at | max output logit | fp32: final loss | fp32: max logit |",
+        "|" + "---|" * 13,
     ]
     for row in sorted((summarize(r) for r in runs), key=lambda r: (list(ARMS).index(r["arm"]), r["lr"], r["seed"])):
         ref = fp32.get((row["arm"], row["lr"], row["seed"]))
@@ -235,7 +398,53 @@ def markdown_table(runs, fp32):
             f"| {row['arm']} | {row['lr']:g} | {row['seed']} | {outcome} | {row['updates']} | {row['skipped']} | "
             f"{row['first_scale']:g} -> {row['final_scale']:g} | {sweep.fmt(row['final'], '.3f')} | "
             f"{sweep.fmt(row['max_logit'], '.1f')} | {row['past_fp16_at'] if row['past_fp16_at'] is not None else '-'} | "
-            f"{fp32_final} | {'-' if ref is None else sweep.fmt(ref['max_logit'], '.1f')} |"
+            f"{cell(row['max_output_logit'], '.1f')} | {fp32_final} | {'-' if ref is None else sweep.fmt(ref['max_logit'], '.1f')} |"
+        )
+    return "\n".join(lines)
+
+
+def cell(x, spec):
+    """x formatted for a table; "-" where there is no number."""
+    return "-" if x is None else format(x, spec)
+
+
+def final_burst(run):
+    """The attempts of the skipped updates in a row that end the run (empty for a finished run)."""
+    n = len(run["applied"])
+    while run["outcome"] != "finished" and n > 0 and not run["applied"][n - 1]:
+        n -= 1
+    return range(n, len(run["applied"]))
+
+
+def longest_skip_streak(run):
+    longest = streak = 0
+    for applied in run["applied"]:
+        streak = 0 if applied else streak + 1
+        longest = max(longest, streak)
+    return longest
+
+
+def overflow_table(runs):
+    """One row per run that ended: where its failing fp16 forward pass first held a value that is not
+    finite, and how large that site's values were on the failing batch in float32."""
+    lines = [
+        "| arm | peak lr | seed | ended at update | skipped: in all, most in a row, final burst | "
+        "final burst: forward passes not finite | overflow site | its largest value, failing batch (fp32) | "
+        "largest output logit, failing batch | largest attention logit, failing batch |",
+        "|" + "---|" * 10,
+    ]
+    ended = [r for r in runs if r["outcome"] != "finished" and "forward_overflow" in r]
+    for r in sorted(ended, key=lambda r: (list(ARMS).index(r["arm"]), r["lr"], r["seed"])):
+        burst = final_burst(r)
+        sites = sorted({r["forward_overflow"][i] for i in burst} - {None})
+        failing = r["failing_batch"]
+        attention = max(sweep.finite(failing[ATTENTION_LOGITS].values()), default=None) if failing else None
+        lines.append(
+            f"| {r['arm']} | {r['lr']:g} | {r['seed']} | {r['stopped_at_update']} | "
+            f"{r['applied'].count(False)}, {longest_skip_streak(r)}, {len(burst)} | "
+            f"{sum(r['forward_overflow'][i] is not None for i in burst)} of {len(burst)} ({', '.join(sites) or '-'}) | "
+            f"{r['overflow_site'] or '-'} | {cell(site_value(failing, r['overflow_site']), ',.0f')} | "
+            f"{cell(failing and failing['outputs'].get(OUTPUT_LOGITS), ',.0f')} | {cell(attention, ',.1f')} |"
         )
     return "\n".join(lines)
 
@@ -317,6 +526,45 @@ def plot_max_logit(runs, fp32, path):
         fig.savefig(tmp, format="png")
 
 
+def plot_overflow_sites(runs, path):
+    """One panel per run that ended: over the updates, the largest value of each group on the fixed
+    batch (float32 copy of the fp16 weights) and, thick, of the module where the failing fp16 forward
+    pass overflowed; stars: the same on the failing batch; dashed: fp16's largest number."""
+    from matplotlib.figure import Figure
+
+    ended = [r for r in runs if r["outcome"] != "finished" and r.get("failing_batch")]
+    ended.sort(key=lambda r: (list(ARMS).index(r["arm"]), r["lr"], r["seed"]))
+    fig = Figure(figsize=(4.6 * max(len(ended), 1), 4.6), dpi=100, layout="constrained")
+    axes = fig.subplots(1, max(len(ended), 1), sharey=True, squeeze=False)[0]
+    for ax, run in zip(axes, ended):
+        updates = [s["update"] for s in run["stats"]]
+        site = run["overflow_site"]
+        failing = grouped(run["failing_batch"])
+        for i, group in enumerate([ATTENTION_LOGITS, *GROUPS]):
+            ys = [max(sweep.finite(s["max_abs"][group].values()), default=math.nan) for s in run["stats"]]
+            ax.plot(updates, ys, color=f"C{i}", linewidth=1, label=group)
+            star = max(sweep.finite(failing[group].values()), default=math.nan)
+            ax.plot(run["stopped_at_update"], star, "*", color=f"C{i}", markersize=11)
+        if "overflow_site_values" in run:
+            ys = [math.nan if y is None else y for y in run["overflow_site_values"]]
+            ax.plot(updates, ys, color="black", linewidth=3, alpha=0.5, label=site)
+            star = site_value(run["failing_batch"], site)
+            ax.plot(run["stopped_at_update"], math.nan if star is None else star, "*", color="black", markersize=11)
+        ax.axhline(FP16_MAX, color="grey", linestyle="--", linewidth=1)
+        ax.set_yscale("log")
+        ax.set_xlabel("update")
+        ax.set_title(
+            f"{run['arm']}, lr {run['lr']:g}, seed {run['seed']}: ended at update {run['stopped_at_update']}\n"
+            f"first non-finite: {site or 'none in the forward pass'}",
+            fontsize=9,
+        )
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left")
+    axes[0].set_ylabel("largest |value| (fixed batch; stars: failing batch)")
+    with atomic_path(str(path)) as tmp:
+        fig.savefig(tmp, format="png")
+
+
 # ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
@@ -366,8 +614,14 @@ def report(runs, settings, out_dir):
         fp32 = {}
     plot_loss_scale(runs, out_dir / "loss_scale.png")
     plot_max_logit(runs, fp32, out_dir / "max_logit_vs_lr.png")
+    figures = [out_dir / "loss_scale.png", out_dir / "max_logit_vs_lr.png"]
     print(markdown_table(runs, fp32))
-    SWEEP.log(f"wrote {out_dir / 'results.json'}, {out_dir / 'loss_scale.png'}, {out_dir / 'max_logit_vs_lr.png'}")
+    if any(r["outcome"] != "finished" and r.get("failing_batch") for r in runs):
+        figures.append(out_dir / "overflow_sites.png")
+        plot_overflow_sites(runs, figures[-1])
+        print()
+        print(overflow_table(runs))
+    SWEEP.log(f"wrote {out_dir / 'results.json'}, {', '.join(map(str, figures))}")
 
 
 def merge(parts, out_dir, command):
