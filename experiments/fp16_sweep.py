@@ -104,15 +104,16 @@ def grouped(measured):
 
 
 def site_value(measured, site):
-    """The largest value that `measured` (largest_values) holds for the module named site: its
-    output, or for an attention module that overflowed inside (fairseq's fused path calls no
-    projection module), its logits; None where it holds none."""
+    """The largest value that `measured` (largest_values) holds for site (first_non_finite's): a
+    module's output or input, or for an attention module that overflowed inside (fairseq's fused
+    path calls no projection module), its logits; None where it holds none."""
     from fairseq_qknorm_cli.attention_stats import attention_module
 
     if not measured or not site:
         return None
-    if site in measured["outputs"]:
-        return measured["outputs"][site]
+    for recorded in (measured["outputs"], measured["inputs"]):
+        if site in recorded:
+            return recorded[site]
     where = attention_module(site)
     return None if where is None else measured[ATTENTION_LOGITS].get(f"{where[0]} {where[1]}")
 
@@ -140,24 +141,35 @@ def largest_abs(x):
 
 def largest_values(model, criterion, sample):
     """One forward pass of model on sample (loss included): the largest |value| of the attention
-    logits, {"attention logits": {"encoder self 0": ...}, ...}, and of every followed module's
-    output, {"outputs": {"decoder.output_projection": ..., ...}}."""
+    logits, {"attention logits": {"encoder self 0": ...}}, of every followed module's output,
+    {"outputs": {"decoder.output_projection": ..., ...}}, and of every module's input, {"inputs":
+    {"input of decoder.layers.1.final_layer_norm": ...}} (a pre-norm's input is the residual stream
+    within a layer: first_non_finite's "input of NAME")."""
     import torch
 
     from fairseq_qknorm_cli.attention_stats import recording_attention, sort_key
 
-    logits, outputs = {}, {}
+    logits, outputs, inputs = {}, {}, {}
 
     def record(into, key, value):
         value = largest_abs(value)
         if value is not None:
             into[key] = max(into.get(key, value), value)
 
-    handles = [
-        module.register_forward_hook(lambda m, args, out, name=name: record(outputs, name, next(tensors(out))))
-        for name, module in model.named_modules()
-        if followed(name, module)
-    ]
+    handles = []
+    for name, module in model.named_modules():
+        if followed(name, module):
+            handles.append(
+                module.register_forward_hook(lambda m, args, out, name=name: record(outputs, name, next(tensors(out))))
+            )
+        if name:  # the model's own input is tokens
+
+            def record_inputs(m, args, out, name=name):
+                for x in tensors(args):
+                    record(inputs, f"input of {name}", x)
+
+            handles.append(module.register_forward_hook(record_inputs))
+
     model.eval()
     try:
         with torch.no_grad(), recording_attention(model, lambda where, _, x: record(logits, where, x)):
@@ -168,6 +180,7 @@ def largest_values(model, criterion, sample):
     return {
         ATTENTION_LOGITS: {f"{w[0]} {w[1]}": logits[w] for w in sorted(logits, key=sort_key)},
         "outputs": outputs,
+        "inputs": inputs,
     }
 
 
@@ -408,14 +421,6 @@ def cell(x, spec):
     return "-" if x is None else format(x, spec)
 
 
-def final_burst(run):
-    """The attempts of the skipped updates in a row that end the run (empty for a finished run)."""
-    n = len(run["applied"])
-    while run["outcome"] != "finished" and n > 0 and not run["applied"][n - 1]:
-        n -= 1
-    return range(n, len(run["applied"]))
-
-
 def longest_skip_streak(run):
     longest = streak = 0
     for applied in run["applied"]:
@@ -425,24 +430,27 @@ def longest_skip_streak(run):
 
 
 def overflow_table(runs):
-    """One row per run that ended: where its failing fp16 forward pass first held a value that is not
-    finite, and how large that site's values were on the failing batch in float32."""
+    """One row per run with an fp16 forward pass that was not finite: its skipped updates (in these
+    300-update runs the loss scale only falls: fairseq raises it after --fp16-scale-window updates
+    without an overflow, 16,384 on one device; so a run started at 128 ends at its 21st overflow,
+    in a row or not), those whose forward pass was not finite and where, and, for a run that ended,
+    its failing pass's overflow site and how large the values were on its batch in float32."""
     lines = [
-        "| arm | peak lr | seed | ended at update | skipped: in all, most in a row, final burst | "
-        "final burst: forward passes not finite | overflow site | its largest value, failing batch (fp32) | "
+        "| arm | peak lr | seed | outcome | skipped (most in a row) | of them, forward pass not finite: where | "
+        "overflow site, failing pass | its largest value, failing batch (fp32) | "
         "largest output logit, failing batch | largest attention logit, failing batch |",
         "|" + "---|" * 10,
     ]
-    ended = [r for r in runs if r["outcome"] != "finished" and "forward_overflow" in r]
-    for r in sorted(ended, key=lambda r: (list(ARMS).index(r["arm"]), r["lr"], r["seed"])):
-        burst = final_burst(r)
-        sites = sorted({r["forward_overflow"][i] for i in burst} - {None})
+    overflowed = [r for r in runs if any(r.get("forward_overflow") or [])]
+    for r in sorted(overflowed, key=lambda r: (list(ARMS).index(r["arm"]), r["lr"], r["seed"])):
+        sites = [site for site in r["forward_overflow"] if site is not None]
+        where = ", ".join(f"{site} ({sites.count(site)})" for site in sorted(set(sites)))
+        outcome = r["outcome"] + (f" at update {r['stopped_at_update']}" if r["stopped_at_update"] else "")
         failing = r["failing_batch"]
         attention = max(sweep.finite(failing[ATTENTION_LOGITS].values()), default=None) if failing else None
         lines.append(
-            f"| {r['arm']} | {r['lr']:g} | {r['seed']} | {r['stopped_at_update']} | "
-            f"{r['applied'].count(False)}, {longest_skip_streak(r)}, {len(burst)} | "
-            f"{sum(r['forward_overflow'][i] is not None for i in burst)} of {len(burst)} ({', '.join(sites) or '-'}) | "
+            f"| {r['arm']} | {r['lr']:g} | {r['seed']} | {outcome} | "
+            f"{r['applied'].count(False)} ({longest_skip_streak(r)}) | {len(sites)}: {where} | "
             f"{r['overflow_site'] or '-'} | {cell(site_value(failing, r['overflow_site']), ',.0f')} | "
             f"{cell(failing and failing['outputs'].get(OUTPUT_LOGITS), ',.0f')} | {cell(attention, ',.1f')} |"
         )
@@ -619,6 +627,7 @@ def report(runs, settings, out_dir):
     if any(r["outcome"] != "finished" and r.get("failing_batch") for r in runs):
         figures.append(out_dir / "overflow_sites.png")
         plot_overflow_sites(runs, figures[-1])
+    if any(any(r.get("forward_overflow") or []) for r in runs):
         print()
         print(overflow_table(runs))
     SWEEP.log(f"wrote {out_dir / 'results.json'}, {', '.join(map(str, figures))}")

@@ -97,7 +97,8 @@ def test_a_run_that_overflows_records_where(work, tmp_path):
     assert len(r["overflow_site_values"]) == len(r["stats"]) and None not in r["overflow_site_values"]
     assert r["max_output_logit"] >= r["failing_batch"]["outputs"][OUTPUT_LOGITS]
     assert (out / "overflow_sites.png").read_bytes()[:4] == b"\x89PNG"
-    assert f"| qknorm | 30 | 1 | {r['stopped_at_update']} | 21, 21, 21 | 21 of 21 " in proc.stdout
+    row = f"| qknorm | 30 | 1 | minimum loss scale at update {r['stopped_at_update']} | 21 (21) | 21: {r['overflow_site']} (21) |"
+    assert row in proc.stdout
 
 
 @pytest.fixture(scope="module")
