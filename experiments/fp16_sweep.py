@@ -16,14 +16,21 @@ every overflow, the update skipped; minimum 1e-4). On a machine without CUDA the
 fairseq run this on the CPU (fairseq_qknorm/fairseq_patches.py, "--fp16 on the CPU").
 
 Per run, per attempted update: the forward loss (bits per token, also for an update that overflowed
-and was skipped), whether it was applied, and the loss scale it was taken with. A run ends when
---updates updates have been applied ("finished"), when fairseq stops with "Minimum loss scale
-reached" ("minimum loss scale"), or at any other error ("failed"). Every --stats-interval applied
-updates, and where a run ends, the fp32 sweep's attention statistics on its fixed dev batch,
-computed on a float32 copy of the fp16 weights (so that a logit past 65,504 is measured, not inf),
-and the loss of the fp16 model itself on that batch. Writes OUT/results.json (after every run; a
-rerun with the same settings skips the runs there), OUT/loss_scale.png and OUT/max_logit_vs_lr.png,
-and prints the table beside the fp32 sweep's runs of the same arm, rate and seed.
+and was skipped), whether it was applied, the loss scale it was taken with, and the first module
+whose fp16 output was not finite in its forward pass, if any (forward hooks on the fp16 model). A
+run ends when --updates updates have been applied ("finished"), when fairseq stops with "Minimum
+loss scale reached" ("minimum loss scale"), or at any other error ("failed"). Every
+--stats-interval applied updates, and where a run ends, on its fixed dev batch and on a float32
+copy of the fp16 weights (so that a value past 65,504 is measured, not inf): the fp32 sweep's
+attention statistics, and the largest absolute value of the attention logits (per module), the
+output logits before the softmax, the feed-forward hidden activations and each layer's output;
+and the loss of the fp16 model itself on that batch. A run that ends also records its overflow
+site (the first module whose fp16 output was not finite in the failing forward pass), the largest
+value of every module's input and output on the failing batch in float32, and the site's value at
+every snapshot. Writes OUT/results.json (after every run; a rerun with the same settings skips the
+runs there), OUT/loss_scale.png, OUT/max_logit_vs_lr.png and, where runs ended,
+OUT/overflow_sites.png, and prints the table beside the fp32 sweep's runs of the same arm, rate
+and seed, and where forward passes overflowed.
 
 A sweep run in parts, one process per arm and seed as the GPU call (examples/ted/gl-en-2x2-gpu/)
 runs it, becomes one results.json and its figures with
