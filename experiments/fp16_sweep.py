@@ -541,6 +541,40 @@ def plot_max_logit(runs, fp32, path):
         fig.savefig(tmp, format="png")
 
 
+def plot_layer_output(runs, path):
+    """The largest layer output (the residual stream) of every run over the updates, one panel per
+    peak rate, one colour per arm, x where a run ended, fp16's largest number drawn across."""
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    lrs = sorted({r["lr"] for r in runs})
+    fig = Figure(figsize=(4.6 * len(lrs), 4.4), dpi=80, layout="constrained")
+    axes = fig.subplots(1, len(lrs), sharey=True, squeeze=False)[0]
+    arms = [a for a in ARMS if any(r["arm"] == a for r in runs)]
+    for ax, lr in zip(axes, lrs):
+        for run in (r for r in runs if r["lr"] == lr and "stats" in r and "max_abs" in r["stats"][0]):
+            color = f"C{arms.index(run['arm'])}"
+            updates = [s["update"] for s in run["stats"]]
+            ys = [max(s["max_abs"]["layer output"].values()) for s in run["stats"]]
+            ax.plot(updates, ys, color=color, linewidth=1, alpha=0.8)
+            if run["outcome"] != "finished":
+                ax.plot(updates[-1], ys[-1], "x", color="black", markersize=8)
+        ax.axhline(FP16_MAX, color="grey", linestyle="--", linewidth=1)
+        ax.set_yscale("log")
+        ax.set_xlabel("update")
+        ax.set_title(f"peak lr {lr:g}", fontsize=10)
+        ax.grid(True, which="major", alpha=0.3)
+    axes[0].set_ylabel("largest layer output, fixed batch (fp32 copy)")
+    handles = [Line2D([], [], color=f"C{i}", label=arm) for i, arm in enumerate(arms)]
+    handles += [
+        Line2D([], [], marker="x", color="black", linestyle="none", label="run ended"),
+        Line2D([], [], color="grey", linestyle="--", label="65,504 (fp16's largest number)"),
+    ]
+    axes[0].legend(handles=handles, fontsize=8)
+    with atomic_path(str(path)) as tmp:
+        fig.savefig(tmp, format="png")
+
+
 def plot_overflow_sites(runs, path):
     """One panel per run that ended: over the updates, the largest value of each group on the fixed
     batch (float32 copy of the fp16 weights) and, thick, of the module where the failing fp16 forward
@@ -549,8 +583,12 @@ def plot_overflow_sites(runs, path):
 
     ended = [r for r in runs if r["outcome"] != "finished" and r.get("failing_batch")]
     ended.sort(key=lambda r: (list(ARMS).index(r["arm"]), r["lr"], r["seed"]))
-    fig = Figure(figsize=(4.6 * max(len(ended), 1), 4.6), dpi=100, layout="constrained")
-    axes = fig.subplots(1, max(len(ended), 1), sharey=True, squeeze=False)[0]
+    columns = min(max(len(ended), 1), 4)
+    rows = max(math.ceil(len(ended) / columns), 1)
+    fig = Figure(figsize=(4.6 * columns, 4.2 * rows), dpi=80, layout="constrained")
+    axes = fig.subplots(rows, columns, sharey=True, squeeze=False).flatten()
+    for ax in axes[len(ended) :]:
+        ax.set_visible(False)
     for ax, run in zip(axes, ended):
         updates = [s["update"] for s in run["stats"]]
         site = run["overflow_site"]
@@ -575,7 +613,8 @@ def plot_overflow_sites(runs, path):
         )
         ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=7, loc="upper left")
-    axes[0].set_ylabel("largest |value| (fixed batch; stars: failing batch)")
+    for ax in axes[::columns]:
+        ax.set_ylabel("largest |value| (fixed batch; stars: failing batch)")
     with atomic_path(str(path)) as tmp:
         fig.savefig(tmp, format="png")
 
@@ -631,6 +670,9 @@ def report(runs, settings, out_dir):
     plot_max_logit(runs, fp32, out_dir / "max_logit_vs_lr.png")
     figures = [out_dir / "loss_scale.png", out_dir / "max_logit_vs_lr.png"]
     print(markdown_table(runs, fp32))
+    if any("forward_overflow" in r for r in runs):  # records made before these were measured have none
+        figures.append(out_dir / "layer_output.png")
+        plot_layer_output(runs, figures[-1])
     if any(r["outcome"] != "finished" and r.get("failing_batch") for r in runs):
         figures.append(out_dir / "overflow_sites.png")
         plot_overflow_sites(runs, figures[-1])

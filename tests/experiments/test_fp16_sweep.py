@@ -53,7 +53,7 @@ def test_tiny_fp16_sweep_records_every_attempted_update(work, tmp_path):
             ]
             assert all(0 < v < FP16_MAX for group in groups.values() for v in group.values())
         assert r["max_output_logit"] == max(s["max_abs"]["output logits"][OUTPUT_LOGITS] for s in r["stats"])
-    for name in ("loss_scale.png", "max_logit_vs_lr.png"):
+    for name in ("loss_scale.png", "max_logit_vs_lr.png", "layer_output.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     assert "| stock | 0.1 | 1 | finished | 3 |" in proc.stdout
 
