@@ -159,7 +159,7 @@ def largest_values(model, criterion, sample):
     logits, outputs, inputs = {}, {}, {}
 
     def record(into, key, value):
-        value = largest_abs(value)
+        value = None if value is None else largest_abs(value)
         if value is not None:
             into[key] = max(into.get(key, value), value)
 
@@ -167,7 +167,10 @@ def largest_values(model, criterion, sample):
     for name, module in model.named_modules():
         if followed(name, module):
             handles.append(
-                module.register_forward_hook(lambda m, args, out, name=name: record(outputs, name, next(tensors(out))))
+                # the first tensor: a decoder layer also returns its attention weights
+                module.register_forward_hook(
+                    lambda m, args, out, name=name: record(outputs, name, next(tensors(out), None))
+                )
             )
         if name:  # the model's own input is tokens
 
@@ -193,11 +196,11 @@ def largest_values(model, criterion, sample):
 
 @contextlib.contextmanager
 def first_non_finite(model):
-    """While active, each forward pass of model reports into the dict yielded, as "site", the first
-    module whose output holds a value that is not finite, in the order the pass computes them
-    (a module ends after the modules inside it: the innermost one that made it); "input of NAME"
-    when NAME's input already holds one that no module output held: it was made between modules
-    (the embedding's scaling, say). Clear the dict before each pass."""
+    """While active, the forward passes of model report into the dict yielded, as "site", the first
+    module whose output holds a value that is not finite, in the order a pass computes them (a
+    module ends after the modules inside it: the innermost one that made it); "input of NAME" when
+    NAME's input already holds one that no module output held: it was made between modules (the
+    embedding's scaling, a residual addition). The first site found is kept."""
     found = {}
 
     def check(name, value):
