@@ -14,10 +14,14 @@ entropy and, for QKNorm, the learned g.
 A run counts as diverged when a loss or gradient is not finite, or when the mean loss of the last
 WINDOW updates rises above the mean of the first WINDOW; it is stopped there. OUT/results.json is
 kept up to date after every run: a rerun with the same settings skips the runs already there (and
-with every run there, only writes the figures and tables again).
+with every run there, only writes the figures and tables again). Sweeps may run in several
+processes into one OUT (one per arm, say): each re-reads results.json under a lock (OUT/.runs.lock)
+before it starts a run and when it adds one, so none loses another's runs.
 """
 
 import argparse
+import contextlib
+import fcntl
 import json
 import logging
 import math
@@ -512,13 +516,27 @@ def finished_runs(results_path, settings):
     return old["runs"]
 
 
+@contextlib.contextmanager
+def locked(out_dir):
+    """Held while a sweep reads or rewrites OUT/results.json: another process may be sweeping into
+    the same OUT. The lock goes with its process, also when it is killed."""
+    with open(out_dir / ".runs.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def same_run(a, b):
+    return (a["arm"], a["lr"], a["seed"]) == (b["arm"], b["lr"], b["seed"])
+
+
 def run_sweep(sweep, args, argv, settings, prepare, named_paths=None, train=train_run):
-    """Train every (seed, arm, learning rate) of args not yet in OUT/results.json, saving it after
-    each run so that a stopped sweep continues where it stopped; returns all runs. settings: what
-    else makes runs comparable (the model, the data); prepare() makes the binarized data and returns
-    its folder; argv: the sweep's command line, recorded with --work-dir as $WORK and each path of
-    named_paths ({path: name}) as its name; train: train_run, or a sweep's own training loop with
-    train_run's arguments."""
+    """Train every (seed, arm, learning rate) of args not yet in OUT/results.json, adding each run
+    to it as it ends, so that a stopped sweep continues where it stopped; returns all runs there.
+    settings: what else makes runs comparable (the model, the data); prepare() makes the binarized
+    data and returns its folder; argv: the sweep's command line, recorded with --work-dir as $WORK
+    and each path of named_paths ({path: name}) as its name; train: train_run, or a sweep's own
+    training loop with train_run's arguments. results.json is re-read before every run and every
+    write, under the lock: runs another process adds meanwhile are kept, and skipped here."""
     settings = {
         "updates": args.updates,
         "warmup_updates": args.warmup_updates,
@@ -526,11 +544,16 @@ def run_sweep(sweep, args, argv, settings, prepare, named_paths=None, train=trai
         **settings,
     }
     results_path = args.out_dir / "results.json"
-    runs = finished_runs(results_path, settings)
-    if runs:
-        sweep.log(f"{results_path}: keeping {len(runs)} finished runs with the same settings (delete it to redo them)")
     args.work_dir.mkdir(parents=True, exist_ok=True)
     args.out_dir.mkdir(parents=True, exist_ok=True)
+
+    def read():
+        with locked(args.out_dir):
+            return finished_runs(results_path, settings)
+
+    runs = read()
+    if runs:
+        sweep.log(f"{results_path}: keeping {len(runs)} finished runs with the same settings (delete it to redo them)")
 
     setup_logging(sys.stdout)  # fairseq-train's log format
     import torch
@@ -559,12 +582,26 @@ def run_sweep(sweep, args, argv, settings, prepare, named_paths=None, train=trai
             "torch_threads": args.threads,
         },
     }
+
+    def add(run=None):
+        """results.json re-read, with run added unless another process added it first, and written."""
+        with locked(args.out_dir):
+            runs = finished_runs(results_path, settings)
+            if run is not None and any(same_run(r, run) for r in runs):
+                sweep.log(
+                    f"{run['arm']} lr {run['lr']:g} seed {run['seed']}: another process added it first; kept that one"
+                )
+            elif run is not None:
+                runs.append(run)
+            write_json(results_path, {**header, "runs": runs})
+        return runs
+
     for seed in args.seeds:
         for arm in args.arms:
             for lr in args.lrs:
-                if any(r["arm"] == arm and r["lr"] == lr and r["seed"] == seed for r in runs):
+                if any(same_run(r, {"arm": arm, "lr": lr, "seed": seed}) for r in read()):
                     continue
-                runs.append(
+                add(
                     train(
                         sweep,
                         bin_dir,
@@ -577,6 +614,4 @@ def run_sweep(sweep, args, argv, settings, prepare, named_paths=None, train=trai
                         args.stats_interval,
                     )
                 )
-                write_json(results_path, {**header, "runs": runs})
-    write_json(results_path, {**header, "runs": runs})
-    return runs
+    return add()
