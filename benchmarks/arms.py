@@ -26,6 +26,7 @@ class Size:
 
 SIZES = {
     "glen": Size(dim=512, layers=4, heads=4, ffn=2048, vocab=8000),  # the paper's gl-en model
+    "medium": Size(dim=256, layers=3, heads=4, ffn=1024, vocab=8000),  # head dim 64, between the two
     "small": Size(dim=128, layers=2, heads=4, ffn=512, vocab=2000),
     "tiny": Size(dim=32, layers=1, heads=2, ffn=64, vocab=64),  # --quick (the test)
 }
