@@ -64,12 +64,14 @@ class ScaledUnitNorm(torch.autograd.Function):
         Xeon, forward and backward took 1.2 to 1.5 times as long that way (benchmarks/HISTORY.md)."""
         y, scale, g = ctx.saved_tensors
         acc, dim = scale.dtype, y.size(-1)
-        # g == 0 makes y and the scale 0, and so x's gradient, whatever n is (1 keeps it finite).
+        # g == 0 makes y and the scale 0, and so x's gradient, whatever n is (1 keeps it finite);
+        # g's own gradient, from y = 0, is lost.
         n = torch.ones_like(scale) if g is None else torch.where(g == 0, 1.0, g).expand_as(scale).contiguous()
         # The kernel reads its rows as dense memory: the gradient attention passes back is copied
-        # into y's layout, x's, and x's gradient comes out in it (a view of the projection's).
+        # (and cast) into y's layout, x's, and x's gradient comes out in it (a view of the projection's).
+        dense_grad = torch.empty(y.shape, dtype=acc, device=y.device).copy_(grad_y)
         grad_x, grad_g = torch.ops.aten._weight_norm_interface_backward(
-            grad_y.to(acc).contiguous().view(-1, dim),
+            dense_grad.view(-1, dim),
             y.to(acc).reshape(-1, dim),
             (scale * n).view(-1, 1),
             n.view(-1, 1),
