@@ -30,6 +30,7 @@ SIZES = {
     # WMT-sized joined vocabulary: the GPU call's larger sizes (benchmarks/gpu_call.py)
     "base": Size(dim=512, layers=6, heads=8, ffn=2048, vocab=32000),
     "big": Size(dim=1024, layers=6, heads=16, ffn=4096, vocab=32000),
+    "medium": Size(dim=256, layers=3, heads=4, ffn=1024, vocab=8000),  # head dim 64, between the two
     "small": Size(dim=128, layers=2, heads=4, ffn=512, vocab=2000),
     "tiny": Size(dim=32, layers=1, heads=2, ffn=64, vocab=64),  # --quick (the test)
 }

@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from . import cpu
 from .lengths import read_pair_lengths
 from .norm_bounds import STAND_INS, standing_in
 from .report import median_interval, pair_ratios
@@ -25,7 +26,7 @@ from .timing import timed
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.one_process", description=__doc__.split("\n")[0])
     p.add_argument("--benchmark", choices=("train", "generate"), default="train")
-    p.add_argument("--size", choices=("glen", "small", "tiny"), default="small")
+    p.add_argument("--size", choices=("glen", "medium", "small", "tiny"), default="small")
     p.add_argument(
         "--arms",
         nargs="+",
@@ -37,12 +38,23 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--profile", action="store_true", help="then profile three rounds of every arm")
+    p.add_argument(
+        "--flush-denormals",
+        action="store_true",
+        help="flush denormal floats to zero (torch.set_flush_denormal) in every thread: on a CPU where "
+        "arithmetic on denormals is slow, this parts their cost from the arms' own",
+    )
     p.add_argument("--lengths-from", default=os.environ.get(LENGTHS_ENV), metavar="SRC,TGT")
     args = p.parse_args(argv)
     if not args.lengths_from or len(args.lengths_from.split(",")) != 2:
         p.error(f"--lengths-from SRC,TGT (or ${LENGTHS_ENV}) is needed")
     if args.rounds < 1 or args.threads < 1:
         p.error("--rounds, --threads: expected positive numbers")
+    if args.flush_denormals:  # before torch starts its threads
+        try:
+            cpu.flush_denormals()
+        except RuntimeError as e:
+            sys.exit(f"error: --flush-denormals: {e}")
     try:
         read_pair_lengths(*args.lengths_from.split(","))
     except ValueError as e:
@@ -69,6 +81,8 @@ def main(argv=None):
         for arm in order:
             seconds[arm].append(one_round(arm))
     base = seconds[args.arms[0]]
+    flushed = ", denormals flushed to zero" if args.flush_denormals else ""
+    print(f"Machine: {cpu.describe(cpu.record())}; torch {torch.__version__}{flushed}\n")
     print(
         f"| {args.benchmark} {args.size} fp32, {args.threads} threads | ms per round, median | time / {args.arms[0]} "
         "(median of pairs) | 95% interval (bootstrap) |"

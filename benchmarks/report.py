@@ -3,6 +3,8 @@
 import random
 import statistics
 
+from . import cpu
+
 BASELINE = "stock"  # fairseq's transformer
 CONTROL = "stock_control"  # stock again, in a second process of the same batch
 TARGET_SPEED = 0.97  # QK-norm / stock, median of the per-pair ratios
@@ -299,8 +301,11 @@ def _beamable_note(groups):
 def render(result):
     meta, s = result["meta"], result["settings"]
     groups = result["groups"]
+    machine = meta["device_name"]
+    if meta["device"] == "cpu" and "cpu_flags" in meta:  # results from before the ISA was recorded lack it
+        machine += f" ({cpu.isa(meta)})"
     lines = [
-        f"Measured {meta['date']} on {meta['device_name']}; torch {meta['torch']}, fairseq {meta['fairseq']}, "
+        f"Measured {meta['date']} on {machine}; torch {meta['torch']}, fairseq {meta['fairseq']}, "
         f"{meta['threads']} threads, {s['repeats']} interleaved rounds; load average (1 min) "
         f"{meta['load_start'][0]:.2f} at start, {meta['load_end'][0]:.2f} at end; commit {meta['commit']}.",
         f"Command: `{meta['command']}`. Raw numbers: `{meta['results_file']}`.",

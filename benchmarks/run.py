@@ -23,11 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.machine import cpu_name
 from experiments.portable import portable
 from fairseq_qknorm_cli.files import write_text
 
-from . import report
+from . import cpu, report
 from .lengths import read_pair_lengths
 from .variants import QK_VARIANTS
 
@@ -87,7 +86,7 @@ def parse_args(argv):
         choices=("fp32", "fp16", "bf16"),
         help="precisions to run, one after the other (default: fp32 on cpu, fp16 bf16 on cuda)",
     )
-    p.add_argument("--sizes", nargs="+", choices=("glen", "small"), help="model sizes (default: both)")
+    p.add_argument("--sizes", nargs="+", choices=("glen", "medium", "small"), help="model sizes (default: glen small)")
     p.add_argument("--benchmarks", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
     p.add_argument(
         "--arms",
@@ -312,15 +311,21 @@ def record_folders(args, src, tgt):
     return folders
 
 
-def update_markdown(path: Path, device: str, table: str, writer: str = "benchmarks/run.py"):
-    """Replace this device's section between its markers; add the section if it is missing."""
-    begin, end = f"<!-- BEGIN {device} results (written by {writer}) -->", f"<!-- END {device} results -->"
+def section(meta):
+    """The section of BENCHMARKS.md a result goes to: one per CPU model, so that one CPU's results
+    stand beside another's instead of replacing them, and one for CUDA."""
+    return f"cpu ({meta['device_name']})" if meta["device"] == "cpu" else meta["device"]
+
+
+def update_markdown(path: Path, name: str, table: str, writer: str = "benchmarks/run.py"):
+    """Replace the section `name` between its markers; add the section if it is missing."""
+    begin, end = f"<!-- BEGIN {name} results (written by {writer}) -->", f"<!-- END {name} results -->"
     text = path.read_text() if path.exists() else ""
-    section = f"{begin}\n{table}{end}"
+    block = f"{begin}\n{table}{end}"
     if begin in text and end in text:
-        text = text[: text.index(begin)] + section + text[text.index(end) + len(end) :]
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end) :]
     else:
-        text = text.rstrip("\n") + ("\n\n" if text else "") + section + "\n"
+        text = text.rstrip("\n") + ("\n\n" if text else "") + block + "\n"
     write_text(path, text)
 
 
@@ -328,7 +333,7 @@ def render_to(result, markdown):
     table = report.render(result)
     print(table)
     if markdown:
-        update_markdown(Path(markdown), result["meta"]["device"], table)
+        update_markdown(Path(markdown), section(result["meta"]), table)
 
 
 def main(argv=None):
@@ -361,10 +366,12 @@ def main(argv=None):
     out = Path(args.results_dir) / f"{args.device}{'-quick' if args.quick else ''}-{date:%Y-%m-%d-%H%M}.json"
     folders = record_folders(args, src, tgt)
     command = shlex.join(argv if argv is not None else sys.argv[1:])
+    machine = cpu.record()
     meta = {
         "date": date.isoformat(timespec="seconds"),
         "device": args.device,
-        "device_name": f"{cpu_name()}, {os.cpu_count()} cores" if args.device == "cpu" else "cuda",
+        "device_name": f"{machine['cpu']}, {machine['cores']} cores" if args.device == "cpu" else "cuda",
+        **machine,
         "torch": torch.__version__,
         "fairseq": fairseq.__version__,
         "python": platform.python_version(),

@@ -15,8 +15,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # `benchmarks` is a folder of the repository, not an installed package
 
-from benchmarks import norm_bounds, report  # noqa: E402
-from benchmarks.run import arm_batches, update_markdown  # noqa: E402
+from benchmarks import cpu, norm_bounds, report  # noqa: E402
+from benchmarks.run import arm_batches, section, update_markdown  # noqa: E402
 from benchmarks.variants import QK_VARIANTS  # noqa: E402
 
 VARIANTS = list(QK_VARIANTS)
@@ -99,13 +99,18 @@ def test_quick_run_measures_every_arm(quick):
     assert all(list(times) == ATTENTION_ARMS for times in cases.values())
     meta = result["meta"]
     assert meta["threads"] == 1 and meta["torch"] == torch.__version__ and len(meta["load_end"]) == 3
+    # the CPU beside every result: model, cores, torch's kernel set, vector flags
+    assert meta["cpu"] and meta["cores"] == os.cpu_count() and meta["device_name"].startswith(meta["cpu"])
+    assert meta["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert isinstance(meta["cpu_flags"], list) and set(meta["cpu_flags"]) <= set(cpu.VECTOR_FLAGS)
 
 
 def test_quick_run_writes_the_tables_between_markers(quick, tmp_path):
     result, results, md = quick
     text = md.read_text()
     assert text.startswith("# Benchmarks\n\nHand-written text that the script must keep.\n")
-    assert text.count("<!-- BEGIN cpu results") == 1 and "| tiny fp32 | qknorm |" in text
+    assert text.count(f"<!-- BEGIN cpu ({result['meta']['device_name']}) results") == 1
+    assert "| tiny fp32 | qknorm |" in text and f"torch's CPU kernels: {result['meta']['cpu_capability']}" in text
     # the targets table: a row per QK-norm variant
     assert all(f"| tiny fp32 | {arm} | " in text.split("**Targets**")[1] for arm in VARIANTS)
     assert "train peak memory, freed memory returned <= 1.03" in text.split("**Targets**")[1]
@@ -364,14 +369,18 @@ def test_generation_targets_include_the_like_for_like_ratio():
     }
 
 
-def test_update_markdown_replaces_only_its_own_device(tmp_path):
+def test_update_markdown_replaces_only_its_own_machines_section(tmp_path):
+    """One section per CPU model (and one for CUDA): one CPU's results stand beside another's."""
     md = tmp_path / "B.md"
-    update_markdown(md, "cpu", "cpu table 1\n")
-    update_markdown(md, "cuda", "gpu table\n")
-    update_markdown(md, "cpu", "cpu table 2\n")
+    amd, intel = ({"device": "cpu", "device_name": f"{name}, 2 cores"} for name in ("AMD EPYC", "Intel Xeon"))
+    update_markdown(md, section(amd), "amd table 1\n")
+    update_markdown(md, section({"device": "cuda", "device_name": "NVIDIA H200"}), "gpu table\n")
+    update_markdown(md, section(intel), "intel table\n")
+    update_markdown(md, section(amd), "amd table 2\n")
     text = md.read_text()
-    assert "cpu table 2" in text and "cpu table 1" not in text and "gpu table" in text
-    assert text.index("cpu table 2") < text.index("gpu table")
+    assert "amd table 1" not in text and all(t in text for t in ("amd table 2", "gpu table", "intel table"))
+    assert text.index("amd table 2") < text.index("gpu table") < text.index("intel table")
+    assert "<!-- BEGIN cpu (Intel Xeon, 2 cores) results" in text and "<!-- BEGIN cuda results" in text
 
 
 def test_a_speed_miss_is_within_the_noise_floor_only_if_identical_code_missed_as_far():
@@ -406,12 +415,15 @@ def test_a_speed_miss_is_within_the_noise_floor_only_if_identical_code_missed_as
 def test_one_process_times_every_arm_against_the_first(corpus):
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.one_process", "--size", "tiny", "--rounds", "2", "--threads", "1"]
-        + ["--arms", "stock", "qknorm_rmsnorm_none", "no_qknorm", "one_pass", "--lengths-from", corpus],
+        + ["--arms", "stock", "qknorm_rmsnorm_none", "no_qknorm", "one_pass", "--lengths-from", corpus]
+        + ["--flush-denormals"],
         cwd=ROOT,
         capture_output=True,
         text=True,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    machine = cpu.describe(cpu.record())
+    assert f"Machine: {machine}; torch {torch.__version__}, denormals flushed to zero" in proc.stdout
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ")]
     assert [r[0].strip() for r in rows[1:]] == ["stock", "qknorm_rmsnorm_none", "no_qknorm", "one_pass"]
     assert float(rows[1][2]) == 1.0 and float(rows[2][1]) > 0
@@ -452,6 +464,7 @@ def test_one_process_times_generation_too(corpus):
         text=True,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"Machine: {cpu.describe(cpu.record())}; torch {torch.__version__}\n" in proc.stdout
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ")]
     assert rows[0][0].strip() == "generate tiny fp32, 1 threads"
     assert [r[0].strip() for r in rows[1:]] == ["stock_beamable", "qknorm"] and float(rows[2][1]) > 0
@@ -465,14 +478,28 @@ def test_median_interval_brackets_the_median_within_the_values():
     assert report.median_interval(values) == (lo, hi)  # seeded: the same interval every run
 
 
-def test_norm_alone_times_every_norm_and_its_composition_against_l2(capsys):
+def test_norm_alone_times_every_norm_and_its_composition_against_l2(capsys, monkeypatch):
+    """Its compile step left out (it needs a C++ compiler): the table, the machine, the profiles."""
     from benchmarks import norm_alone
 
-    norm_alone.main(["--sizes", "small", "--rounds", "2", "--threads", "1"])
-    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| small")]
+    monkeypatch.setattr(norm_bounds, "_compile", lambda fn: fn)
+    norm_alone.main(["--sizes", "small", "--rounds", "2", "--threads", "1", "--profile"])
+    out = capsys.readouterr().out
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| small")]
     names = [r[1].strip() for r in rows]
-    assert names == ["l2", "l2 composed", "layernorm", "layernorm composed", "rmsnorm", "rmsnorm composed"]
+    assert names == [
+        "l2",
+        "l2 composed",
+        "l2 compiled",
+        "layernorm",
+        "layernorm composed",
+        "rmsnorm",
+        "rmsnorm composed",
+    ]
     assert float(rows[0][3]) == 1.0 and all(float(r[2]) > 0 for r in rows)
+    assert out.startswith(f"Machine: {cpu.describe(cpu.record())}; torch {torch.__version__}, 1 threads\n")
+    assert all(f"small, {name}, 10 forwards and backwards:" in out for name in names)
+    assert "_weight_norm_interface_backward" in out.split("small, l2, 10")[1].split("small, l2 composed")[0]
 
 
 def test_sdpa_new_shapes_times_first_and_repeated_calls_per_backend(capsys):

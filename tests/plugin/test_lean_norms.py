@@ -43,6 +43,24 @@ def test_scaled_unit_norm_has_the_gradients_of_g_x_over_norm_x(g_shape):
     assert got[0].stride() == x32.stride()
 
 
+@pytest.mark.parametrize("layout", ["sdpa-cpu", "heads-first", "expanded"])
+def test_scaled_unit_norm_reads_its_gradient_in_any_layout(layout):
+    """Backward's kernel reads rows as dense memory: the gradient SDPA passes back on the CPU
+    (batch, time, heads, dim in memory), another permuted one, or one that autograd expands from a
+    sum (stride 0) must each count as the tensor it is, not as its memory read in x's order."""
+    torch.manual_seed(0)
+    x = torch.randn(T, B, H, D, requires_grad=True)
+    g = torch.tensor(7.5, requires_grad=True)
+    grad = {
+        "sdpa-cpu": torch.randn(B, T, H, D).transpose(0, 1),
+        "heads-first": torch.randn(B, H, T, D).permute(2, 0, 1, 3),
+        "expanded": torch.randn(D).expand(T, B, H, D),
+    }[layout]
+    got = torch.autograd.grad(ScaledUnitNorm.apply(x, g), (x, g), grad)
+    for a, b in zip(got, torch.autograd.grad(scaled_norm(x, g), (x, g), grad.contiguous())):
+        torch.testing.assert_close(a, b)
+
+
 def plain_norm(x, weight, bias, g, eps, center):
     """The specification (scaled_norm) with a per-head nn.LayerNorm (center) or nn.RMSNorm whose
     weight and bias are these tensors, so that their gradients reach them."""
