@@ -11,6 +11,7 @@ from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 import fairseq_qknorm  # noqa: F401  (registers transformer_qknorm and its architectures)
 from fairseq_qknorm.length_prior import g0_for_length
+from fairseq_qknorm.qk_flags import AFFINE_NORMS
 
 from .variants import QK_VARIANTS
 
@@ -53,8 +54,15 @@ ARMS = {
     # around the norm costs from what the norm costs. Not one of the runner's arms.
     "no_qknorm": ("transformer_qknorm", {"qk_norm": "none", "qk_scale": "none", "qk_scale_per_head": False}),
 }
-# A number, so that no binarized data is needed; the value does not change the speed.
+# A number, so that no binarized data is needed: the paper's g0 for L = 60.
 QK_SCALE_INIT = g0_for_length(60)
+
+
+def scale_init(qk_norm: str, head_dim: int) -> float:
+    """QK_SCALE_INIT as `auto` gives it to QK_NORM (qk_flags.for_the_norm): over head_dim for
+    LayerNorm and RMSNorm. The value changes the speed on some CPUs: at g0 itself their softmax starts
+    saturated, and the denormal floats it makes cost an Intel Xeon a third of a training step."""
+    return QK_SCALE_INIT / head_dim if qk_norm in AFFINE_NORMS else QK_SCALE_INIT
 
 
 def dictionary(vocab: int) -> Dictionary:
@@ -88,6 +96,8 @@ def model_args(arm: str, size: Size) -> argparse.Namespace:
         args.qk_scale_init = QK_SCALE_INIT
         args.word_dropout = 0.0
     ARCH_CONFIG_REGISTRY[arch](args)
+    if arch != "transformer":
+        args.qk_scale_init = scale_init(args.qk_norm, size.dim // size.heads)
     return args
 
 

@@ -9,7 +9,7 @@ from fairseq.modules import MultiheadAttention
 
 from fairseq_qknorm.qknorm_attention import QKNormAttention
 
-from .arms import QK_SCALE_INIT, SIZES
+from .arms import QK_SCALE_INIT, SIZES, scale_init
 from .plain_attention import PlainQKNormAttention
 from .timing import DTYPES, timed
 from .variants import QK_VARIANTS
@@ -24,7 +24,9 @@ def build_attention(arm, dim, heads, cross, seed):
         return MultiheadAttention(dim, heads, **kind)
     if arm == "qknorm_plain":
         return PlainQKNormAttention(dim, heads, qk_scale_init=QK_SCALE_INIT, **QK_VARIANTS["qknorm"], **kind)
-    return QKNormAttention(dim, heads, qk_scale_init=QK_SCALE_INIT, **QK_VARIANTS[arm], **kind)
+    variant = QK_VARIANTS[arm]
+    init = scale_init(variant["qk_norm"], dim // heads)
+    return QKNormAttention(dim, heads, qk_scale_init=init, **variant, **kind)
 
 
 def padding_mask(lengths, time, device):

@@ -31,7 +31,8 @@ def add_qk_args(parser, lengths):
         "--qk-scale-init",
         metavar="auto|FLOAT",
         type=_auto_or_float,
-        help="initial g (> 0); auto = log2(L^2 - L), L a percentile of " + lengths,
+        help="initial g (> 0); auto = log2(L^2 - L), L a percentile of " + lengths + " (over head_dim for "
+        "--qk-norm layernorm/rmsnorm, whose outputs have length sqrt(head_dim))",
     )
     parser.add_argument(
         "--qk-length-percentile",
@@ -135,6 +136,11 @@ def resolve_qk_scale_init(args, task) -> float:
         return float(value)
     if args.qk_norm == "none":
         return dot_product_g0(args)
+    return for_the_norm(g0_from_training_pairs(args, task), args)
+
+
+def g0_from_training_pairs(args, task) -> float:
+    """The paper's g0 = log2(L^2 - L), L the --qk-length-percentile of the training pairs' lengths."""
     split = getattr(args, "train_subset", None) or "train"
     pairs = training_pairs(task, split)
     # Only the pairs fairseq-train keeps: it skips those longer than these (trainer.get_train_iterator).
@@ -164,18 +170,60 @@ def resolve_qk_scale_init(args, task) -> float:
     return g0
 
 
+AFFINE_NORMS = ("layernorm", "rmsnorm")
+
+
+def for_the_norm(g0: float, args) -> float:
+    """The paper's g0, meant for unit vectors, as g0 for --qk-norm. A LayerNorm or RMSNorm output has
+    length sqrt(head_dim) (their gain starts at 1), so its dot products reach head_dim, not 1: g
+    starts at g0 / head_dim, which gives the attention logits the l2 norm's initial range. With g0
+    itself the softmax would start saturated, one-hot, with its small probabilities in denormal
+    floats, which some CPUs compute on many times slower."""
+    if args.qk_norm not in AFFINE_NORMS:
+        return g0
+    head_dim = one_head_dim(args, f"--qk-norm {args.qk_norm} --qk-scale-init auto")
+    logger.info(f"qk-norm: {args.qk_norm} outputs have length sqrt({head_dim}): g0/head_dim={g0 / head_dim:.4f}")
+    return g0 / head_dim
+
+
+def head_dims(args) -> set:
+    return {
+        getattr(args, f"{side}_embed_dim") // getattr(args, f"{side}_attention_heads")
+        for side in ("encoder", "decoder")
+        if getattr(args, f"{side}_attention_heads", None)
+    }
+
+
+def one_head_dim(args, flags: str) -> int:
+    """The head dimension shared by every attention of the model, or a QKNormConfigError naming FLAGS."""
+    dims = head_dims(args)
+    if len(dims) != 1:
+        raise QKNormConfigError(
+            f"{flags}: the encoder and decoder heads differ in size {sorted(dims)}, "
+            "so g0 would differ by side; pass --qk-scale-init FLOAT"
+        )
+    return dims.pop()
+
+
 def warn_if_beyond_every_length(g0: float, args):
     """Log one line when a numeric --qk-scale-init lies outside what `auto` could give: log2(L^2 - L)
-    for a length L from 2 to the longest the model takes. g multiplies cosine similarities: far
-    above, attention starts one-hot and training can diverge; below 1, it starts nearly uniform."""
+    for a length L from 2 to the longest the model takes, over head_dim for LayerNorm and RMSNorm
+    (for_the_norm). g multiplies the normalized dot products: far above, attention starts one-hot
+    and training can diverge; below the range, it starts nearly uniform."""
     positions = (getattr(args, k, None) for k in ("max_source_positions", "max_target_positions", "tokens_per_sample"))
     longest = max((p for p in positions if p), default=1024)  # fairseq's default positions
-    high = g0_for_length(longest)
-    if not 1.0 <= g0 <= high:
+    auto, per = "log2(L^2-L)", 1
+    if args.qk_norm in AFFINE_NORMS:
+        dims = head_dims(args)
+        if len(dims) != 1:
+            return  # no one range: it differs by side
+        auto, per = auto + "/head_dim", dims.pop()
+    low, high = 1.0 / per, g0_for_length(longest) / per
+    if not low <= g0 <= high:
         effect = "one-hot (training may diverge)" if g0 > high else "nearly uniform"
         logger.warning(
-            f"qk-norm: --qk-scale-init {g0:g} is outside [1, {high:.2f}], the values log2(L^2-L) of the sentence "
-            f"lengths L from 2 to {longest} this model takes: attention starts {effect}"
+            f"qk-norm: --qk-scale-init {g0:g} is outside [{low:.4g}, {high:.4g}], the values {auto} of the "
+            f"sentence lengths L from 2 to {longest} this model takes: attention starts {effect}"
         )
 
 
@@ -183,17 +231,7 @@ def dot_product_g0(args) -> float:
     """`auto` without a norm: g starts at fairseq's own factor 1/sqrt(head_dim), so that the model
     starts as stock attention and learns its temperature (log2(L^2 - L) suits unit vectors, whose
     dot products lie in [-1, 1], not raw ones)."""
-    head_dims = {
-        getattr(args, f"{side}_embed_dim") // getattr(args, f"{side}_attention_heads")
-        for side in ("encoder", "decoder")
-        if getattr(args, f"{side}_attention_heads", None)
-    }
-    if len(head_dims) != 1:
-        raise QKNormConfigError(
-            f"--qk-norm none --qk-scale-init auto: the encoder and decoder heads differ in size {sorted(head_dims)}, "
-            "so there is no one 1/sqrt(head_dim); pass --qk-scale-init FLOAT"
-        )
-    head_dim = head_dims.pop()
+    head_dim = one_head_dim(args, "--qk-norm none --qk-scale-init auto")
     g0 = head_dim**-0.5
     logger.info(
         f"qk-norm: no norm, g0=1/sqrt(head_dim)=1/sqrt({head_dim})={g0:.4f} (fairseq's scaling, learned from there)"

@@ -23,7 +23,15 @@ from fairseq.models.transformer_lm import (
 
 from .errors import QKNormConfigError
 from .length_prior import g0_for_length, length_percentile
-from .qk_flags import WatchesG, add_qk_args, as_namespace, check_qk_flags, resolve_qk_scale_init, set_qk_defaults
+from .qk_flags import (
+    WatchesG,
+    add_qk_args,
+    as_namespace,
+    check_qk_flags,
+    for_the_norm,
+    resolve_qk_scale_init,
+    set_qk_defaults,
+)
 from .transformer_qknorm import QKNormTransformerDecoder
 
 logger = logging.getLogger(__name__)
@@ -80,7 +88,7 @@ def resolve_lm_qk_scale_init(args, task) -> float:
         source += ", +1 for the <s> of --add-bos-token"
     g0 = g0_for_length(length)
     logger.info(f"qk-norm: L={length} ({source}) g0=log2(L^2-L)={g0:.4f}")
-    return g0
+    return for_the_norm(g0, args)
 
 
 def sample_lengths(task, split):

@@ -14,6 +14,7 @@ l2 + learned g"); --labels NAME ... replaces those names.
 import argparse
 import glob
 import json
+import math
 import os
 import statistics
 import warnings
@@ -114,13 +115,15 @@ def temperatures(path, state, name=None):
     rows.sort(key=lambda r: (sort_key((r["module"], r["layer"])), r["head"] or 0))
     g0 = getattr(cfg, "qk_scale_init", None)
     g0 = float(g0) if isinstance(g0, (int, float)) else None  # 'auto' only in pre-build configs
+    per = norm_length2(cfg)
     gs = [r["g"] for r in rows]
-    low, high = G_RANGE
+    low, high = g_range(per)
     return {
         **found,
         "per_head": rows[0]["head"] is not None,
         "g0": g0,
         "L": sentence_length(g0, cfg),
+        "norm_length2": per,
         "g": rows,
         "summary": {
             "count": len(gs),
@@ -142,15 +145,28 @@ def without_g(t):
     )
 
 
+def norm_length2(cfg):
+    """The squared length of a normalized q or k: 1 for the l2 norm, head_dim for LayerNorm and
+    RMSNorm (g0 is log2(L^2 - L) over it, qk_flags.for_the_norm); None where heads differ in size."""
+    from fairseq_qknorm.qk_flags import AFFINE_NORMS, head_dims
+
+    if getattr(cfg, "qk_norm", "l2") not in AFFINE_NORMS:
+        return 1
+    dims = head_dims(cfg)
+    return dims.pop() if len(dims) == 1 else None
+
+
 def sentence_length(g0, cfg):
-    """The L whose log2(L^2 - L) is g0, for a learned g on normalized q and k; None where no
-    sentence length gives g0 (a g0 below 1, or beyond any length: a number passed as --qk-scale-init)."""
+    """The L whose log2(L^2 - L) is g0 (times head_dim for LayerNorm and RMSNorm), for a learned g on
+    normalized q and k; None where no sentence length gives g0 (a g0 below that of L = 2, or beyond
+    any length: a number passed as --qk-scale-init)."""
     from fairseq_qknorm.length_prior import length_from_g0
 
-    if g0 is None or getattr(cfg, "qk_scale", None) != "learned" or getattr(cfg, "qk_norm", "l2") == "none":
+    per = norm_length2(cfg)
+    if g0 is None or getattr(cfg, "qk_scale", None) != "learned" or getattr(cfg, "qk_norm", "l2") == "none" or not per:
         return None
-    length = length_from_g0(g0)
-    return length if g0 >= 1 and length < 1e9 else None  # no sentence is a billion tokens long (nor inf)
+    length = length_from_g0(g0 * per)
+    return length if g0 * per >= 1 and length < 1e9 else None  # no sentence is a billion tokens long (nor inf)
 
 
 def print_temperatures(t):
@@ -167,7 +183,12 @@ def print_temperatures(t):
         print(f"g = {g0:.4f} in every module, fixed (--qk-scale fixed --qk-scale-init {g0:g}): not learned")
         return
     if t["L"] is not None:
-        print(f"g0 = {g0:.4f} = log2(L^2 - L), L = {t['L']:.0f}")
+        per = (
+            ""
+            if t["norm_length2"] == 1
+            else f"/{t['norm_length2']} (head_dim: the length^2 of a {t['qk_norm']} output)"
+        )
+        print(f"g0 = {g0:.4f} = log2(L^2 - L){per}, L = {t['L']:.0f}")
     elif g0 is not None:
         print(f"g0 = {g0:.4g} (log2(L^2 - L) of no sentence length L)" if t["qk_norm"] != "none" else f"g0 = {g0:.4g}")
     rows = [["module", "layer", "head", "g", "g - g0"]]
@@ -187,13 +208,20 @@ def print_temperatures(t):
 
 def summary_line(t):
     s = t["summary"]
-    low, high = G_RANGE
+    per = t.get("norm_length2", 1)
+    low, high = g_range(per)
     start = "" if t["g0"] is None else f", g0 {t['g0']:.2f}"
+    over = "" if per == 1 else f" over head_dim {per}"
     return (
-        f"summary: {s['count']} g from {s['min']:.2f} to {s['max']:.2f} (median {s['median']:.2f}{start}); "
+        f"summary: {s['count']} g from {s['min']:.4g} to {s['max']:.4g} (median {s['median']:.4g}{start}); "
         f"{s['within']} of {s['count']} within {low:g}-{high:g}, the range Bricken & Pehlevan read off "
-        f"trained QKNorm heads ({s['below']} below, {s['above']} above)"
+        f"trained QKNorm heads{over} ({s['below']} below, {s['above']} above)"
     )
+
+
+def g_range(per):
+    """G_RANGE for a g on vectors of squared length PER (norm_length2); NaN where that is unknown."""
+    return tuple(x / per for x in G_RANGE) if per else (math.nan, math.nan)
 
 
 def print_table(rows, left):

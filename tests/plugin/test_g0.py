@@ -201,3 +201,50 @@ def test_a_checkpoint_saved_without_g0_still_loads(scale):
         loaded = target.state_dict()
         assert all(torch.equal(loaded[k], v) for k, v in checkpoint.items())
         assert all(loaded[k].item() == g0 for k in loaded if k.endswith(".qk_scale.g0"))
+
+
+@pytest.mark.parametrize("norm", ["l2", "layernorm", "rmsnorm"])
+def test_auto_starts_every_norm_in_the_papers_logit_range(tmp_path, norm):
+    """`auto` gives every --qk-norm the l2 norm's initial logits: a query against an equal key scores
+    log2(L^2 - L), and no pair scores more. A LayerNorm or RMSNorm output has length sqrt(head_dim),
+    so its g starts at g0 / head_dim; with g0 itself its logits would start head_dim times larger."""
+    import argparse
+
+    from fairseq_qknorm.qk_flags import resolve_qk_scale_init
+    from fairseq_qknorm.qknorm_attention import QKNormAttention
+
+    write_split(tmp_path / "train.de-en.de", [30] * 40)
+    write_split(tmp_path / "train.de-en.en", [20] * 40)
+    dims = dict(encoder_embed_dim=64, decoder_embed_dim=64, encoder_attention_heads=2, decoder_attention_heads=2)
+    flags = dict(qk_norm=norm, qk_scale="learned", qk_scale_init="auto", qk_length_percentile=97.5)
+    task = translation_task(str(tmp_path))
+    g = resolve_qk_scale_init(argparse.Namespace(**dims, **flags), task)
+    _, paper_g0 = g0_from_pairs(training_pairs(task, "train"), 97.5)
+    assert g == pytest.approx(paper_g0 if norm == "l2" else paper_g0 / 32)
+
+    torch.manual_seed(0)
+    attention = QKNormAttention(64, 2, qk_norm=norm, qk_scale_init=g, self_attention=True)
+    attention.k_proj.load_state_dict(attention.q_proj.state_dict())  # key i equals query i
+    x = torch.randn(7, 3, 64)
+    scores, _ = attention(x, x, x, before_softmax=True)
+    own = scores.diagonal(dim1=-2, dim2=-1)
+    assert torch.allclose(own, torch.full_like(own, paper_g0), rtol=1e-3)
+    assert scores.abs().max() <= paper_g0 * (1 + 1e-3)
+
+
+def test_auto_with_affine_norms_needs_one_head_size(tmp_path):
+    import argparse
+
+    from fairseq_qknorm.errors import QKNormConfigError
+    from fairseq_qknorm.qk_flags import resolve_qk_scale_init
+
+    write_split(tmp_path / "train.de-en.de", [30] * 40)
+    write_split(tmp_path / "train.de-en.en", [20] * 40)
+    args = argparse.Namespace(
+        encoder_embed_dim=64, decoder_embed_dim=64, encoder_attention_heads=2, decoder_attention_heads=4
+    )
+    args.__dict__.update(qk_norm="rmsnorm", qk_scale="learned", qk_scale_init="auto", qk_length_percentile=97.5)
+    with pytest.raises(
+        QKNormConfigError, match=r"--qk-norm rmsnorm --qk-scale-init auto: .* differ in size \[16, 32\]"
+    ):
+        resolve_qk_scale_init(args, translation_task(str(tmp_path)))

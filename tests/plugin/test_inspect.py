@@ -63,6 +63,28 @@ def checkpoint_g(path):
     return {k: v for k, v in model.items() if k.endswith(".qk_scale.g")}
 
 
+def test_L_of_a_layernorm_g0_counts_the_head_dim(capsys):
+    """With --qk-norm layernorm, `auto` starts g at log2(L^2 - L) / head_dim (qk_flags.for_the_norm):
+    the L reported is the sentence length, and the range g is compared with is over head_dim too."""
+    from conftest import build_model
+
+    from fairseq_qknorm.length_prior import g0_for_length
+
+    g0 = g0_for_length(40) / 8  # 32 wide, 4 heads
+    model, _ = build_model(qk_norm="layernorm", qk_scale="learned", qk_scale_init=g0)
+    cfg = Namespace(arch="transformer_qknorm", qk_norm="layernorm", qk_scale="learned", qk_scale_init=g0)
+    cfg.__dict__.update(
+        encoder_embed_dim=32, decoder_embed_dim=32, encoder_attention_heads=4, decoder_attention_heads=4
+    )
+    t = inspect_cli.temperatures("checkpoint.pt", {"model": model.state_dict(), "args": cfg})
+    assert t["L"] == pytest.approx(40)
+    assert t["summary"]["within"] == 6  # every g at its g0, 12.6 / 8, within (10, 25) / 8
+    inspect_cli.print_temperatures(t)
+    out = capsys.readouterr().out
+    assert f"g0 = {g0:.4f} = log2(L^2 - L)/8 (head_dim: the length^2 of a layernorm output), L = 40" in out
+    assert "within 1.25-3.125, the range Bricken & Pehlevan read off trained QKNorm heads over head_dim 8" in out
+
+
 def test_printed_g_are_the_checkpoint_parameters(trained, capsys):
     _, save = trained
     path = save / "checkpoint_last.pt"

@@ -121,6 +121,22 @@ def test_auto_length_counts_the_s_of_add_bos_token(toy_raw, lm_bos):
     assert args.add_bos_token and args.qk_scale_init == pytest.approx(math.log2(expected**2 - expected))
 
 
+@pytest.mark.parametrize("norm", ["l2", "layernorm", "rmsnorm"])
+def test_auto_over_head_dim_for_the_affine_norms(norm):
+    """As the translation model's (plugin/test_g0.py): a LayerNorm or RMSNorm output has length
+    sqrt(head_dim), so `auto` starts g at log2(L^2 - L) / head_dim, the l2 norm's initial logits."""
+    from argparse import Namespace
+
+    from fairseq_qknorm.transformer_lm_qknorm import resolve_lm_qk_scale_init
+
+    task = Namespace(args=Namespace(sample_break_mode="none", tokens_per_sample=64, add_bos_token=False))
+    args = Namespace(
+        qk_norm=norm, qk_scale="learned", qk_scale_init="auto", decoder_embed_dim=96, decoder_attention_heads=3
+    )
+    g0 = math.log2(64 * 63)
+    assert resolve_lm_qk_scale_init(args, task) == pytest.approx(g0 if norm == "l2" else g0 / 32)
+
+
 def test_eos_blocks_build_under_numpy_2():
     """fairseq's TokenBlockDataset in eos mode reads np.compat.long, which numpy 2 removed."""
     from fairseq.data import TokenBlockDataset
