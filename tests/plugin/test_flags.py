@@ -175,7 +175,7 @@ def test_a_scale_init_no_sentence_length_gives_is_one_warning_line(caplog, value
         []
         if effect is None
         else [
-            f"qk-norm: --qk-scale-init {value:g} is outside [1, 20.00], the values log2(L^2-L) of the sentence "
+            f"qk-norm: --qk-scale-init {value:g} is outside [1, 20], the values log2(L^2-L) of the sentence "
             f"lengths L from 2 to 1024 this model takes: attention starts {effect}"
         ]
     )
