@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -157,14 +158,31 @@ def test_a_failing_arm_or_stock_stays_in_its_part(lengths, tmp_path, monkeypatch
 
 
 def test_a_part_out_of_time_is_cut_off_and_a_crashed_one_failed_on_resume(lengths, tmp_path, monkeypatch):
-    from benchmarks import gpu_call, gpu_report
+    from benchmarks import gpu_bench, gpu_call, gpu_report
 
     monkeypatch.setattr(gpu_call, "MIN_PART_SECONDS", 0.5)
+    real = gpu_bench.build_part
+
+    def build_part(*args, **kwargs):  # every unit takes half a second: a part cannot fit in one
+        part = real(*args, **kwargs)
+        build = part.build
+
+        def slow(arm):
+            runner = build(arm)
+            run = runner.run
+            runner.run = lambda setting, unit: (time.sleep(0.5), run(setting, unit))[1]
+            return runner
+
+        part.build = slow
+        return part
+
+    monkeypatch.setattr(gpu_bench, "build_part", build_part)
     # a second: the first part starts and is cut off, no time is left for the second
     out, result = run_call(tmp_path, lengths, "--parts", "train-glen-fp16", "train-lm-bf16", "--seconds", "1")
     first, second = result["parts"]
     assert first["status"] == "cut off" and first["note"] == "its time ran out in the untimed round"
     assert second["status"] == "not run"
+    monkeypatch.setattr(gpu_bench, "build_part", real)
     # as if the process had died during the first part: --resume records it as failed, measures the rest
     result["parts"] = [dict(first, status="running")]
     (out / "gpu-table.json").write_text(json.dumps(result))
