@@ -93,7 +93,6 @@ def model_args(arm: str, size: Size) -> argparse.Namespace:
         **own,
     )
     if arch != "transformer":
-        args.qk_scale_init = QK_SCALE_INIT
         args.word_dropout = 0.0
     ARCH_CONFIG_REGISTRY[arch](args)
     if arch != "transformer":

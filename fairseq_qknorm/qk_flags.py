@@ -194,6 +194,15 @@ def head_dims(args) -> set:
     }
 
 
+def norm_length2(args):
+    """The squared length of a normalized q or k: 1 for the l2 norm, head_dim for LayerNorm and
+    RMSNorm (their gain starts at 1); None where their heads differ in size by side."""
+    if getattr(args, "qk_norm", "l2") not in AFFINE_NORMS:
+        return 1
+    dims = head_dims(args)
+    return dims.pop() if len(dims) == 1 else None
+
+
 def one_head_dim(args, flags: str) -> int:
     """The head dimension shared by every attention of the model, or a QKNormConfigError naming FLAGS."""
     dims = head_dims(args)
@@ -212,12 +221,10 @@ def warn_if_beyond_every_length(g0: float, args):
     and training can diverge; below the range, it starts nearly uniform."""
     positions = (getattr(args, k, None) for k in ("max_source_positions", "max_target_positions", "tokens_per_sample"))
     longest = max((p for p in positions if p), default=1024)  # fairseq's default positions
-    auto, per = "log2(L^2-L)", 1
-    if args.qk_norm in AFFINE_NORMS:
-        dims = head_dims(args)
-        if len(dims) != 1:
-            return  # no one range: it differs by side
-        auto, per = auto + "/head_dim", dims.pop()
+    per = norm_length2(args)
+    if per is None:
+        return  # no one range: it differs by side
+    auto = "log2(L^2-L)/head_dim" if args.qk_norm in AFFINE_NORMS else "log2(L^2-L)"
     low, high = 1.0 / per, g0_for_length(longest) / per
     if not low <= g0 <= high:
         effect = "one-hot (training may diverge)" if g0 > high else "nearly uniform"

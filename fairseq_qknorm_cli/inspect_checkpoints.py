@@ -88,6 +88,8 @@ def temperatures(path, state, name=None):
     """Every g of one checkpoint, with its g0 and L, as a JSON-ready dict; name: the system's
     name (default: from the checkpoint's config). "g" is empty for a checkpoint without one
     (fairseq's stock attention, --qk-scale none)."""
+    from fairseq_qknorm.qk_flags import norm_length2
+
     from .attention_stats import attention_module, sort_key
 
     cfg = model_config(state)
@@ -115,14 +117,14 @@ def temperatures(path, state, name=None):
     rows.sort(key=lambda r: (sort_key((r["module"], r["layer"])), r["head"] or 0))
     g0 = getattr(cfg, "qk_scale_init", None)
     g0 = float(g0) if isinstance(g0, (int, float)) else None  # 'auto' only in pre-build configs
-    per = norm_length2(cfg)
+    per = norm_length2(cfg)  # g0 is log2(L^2 - L) over it (qk_flags.for_the_norm)
     gs = [r["g"] for r in rows]
     low, high = g_range(per)
     return {
         **found,
         "per_head": rows[0]["head"] is not None,
         "g0": g0,
-        "L": sentence_length(g0, cfg),
+        "L": sentence_length(g0, cfg, per),
         "norm_length2": per,
         "g": rows,
         "summary": {
@@ -145,24 +147,12 @@ def without_g(t):
     )
 
 
-def norm_length2(cfg):
-    """The squared length of a normalized q or k: 1 for the l2 norm, head_dim for LayerNorm and
-    RMSNorm (g0 is log2(L^2 - L) over it, qk_flags.for_the_norm); None where heads differ in size."""
-    from fairseq_qknorm.qk_flags import AFFINE_NORMS, head_dims
-
-    if getattr(cfg, "qk_norm", "l2") not in AFFINE_NORMS:
-        return 1
-    dims = head_dims(cfg)
-    return dims.pop() if len(dims) == 1 else None
-
-
-def sentence_length(g0, cfg):
-    """The L whose log2(L^2 - L) is g0 (times head_dim for LayerNorm and RMSNorm), for a learned g on
-    normalized q and k; None where no sentence length gives g0 (a g0 below that of L = 2, or beyond
-    any length: a number passed as --qk-scale-init)."""
+def sentence_length(g0, cfg, per):
+    """The L whose log2(L^2 - L) is g0 times PER (norm_length2: head_dim for LayerNorm and RMSNorm),
+    for a learned g on normalized q and k; None where no sentence length gives g0 (a g0 below that of
+    L = 2, or beyond any length: a number passed as --qk-scale-init)."""
     from fairseq_qknorm.length_prior import length_from_g0
 
-    per = norm_length2(cfg)
     if g0 is None or getattr(cfg, "qk_scale", None) != "learned" or getattr(cfg, "qk_norm", "l2") == "none" or not per:
         return None
     length = length_from_g0(g0 * per)
@@ -208,7 +198,7 @@ def print_temperatures(t):
 
 def summary_line(t):
     s = t["summary"]
-    per = t.get("norm_length2", 1)
+    per = t["norm_length2"]
     low, high = g_range(per)
     start = "" if t["g0"] is None else f", g0 {t['g0']:.2f}"
     over = "" if per == 1 else f" over head_dim {per}"

@@ -170,7 +170,12 @@ def test_a_part_out_of_time_is_cut_off_and_a_crashed_one_failed_on_resume(length
         def slow(arm):
             runner = build(arm)
             run = runner.run
-            runner.run = lambda setting, unit: (time.sleep(0.5), run(setting, unit))[1]
+
+            def slow_run(setting, unit):
+                time.sleep(0.5)
+                return run(setting, unit)
+
+            runner.run = slow_run
             return runner
 
         part.build = slow
