@@ -480,7 +480,14 @@ def how_it_ran(runs):
             + (f" ({'; '.join(reproduced)})" if reproduced else "")
             + "."
         )
-    lines += ["", "Each run's fairseq-train command is in runs.json (`train_command`)."]
+    lines += [
+        "",
+        "Each run's fairseq-train command is in runs.json (`train_command`). Until the plugin kept it"
+        " ([docs/changes.md](../../../docs/changes.md)), fairseq's `reduce_lr_on_plateau` forgot at every"
+        " resume its count of validations without a better dev BLEU and the step of the checkpoint's own"
+        " validation: a run resumed after warm-up under it may have lowered its rate later than the"
+        " same run uninterrupted. The seed-1 runs' resumes all came before the fix.",
+    ]
     return "\n".join(lines)
 
 

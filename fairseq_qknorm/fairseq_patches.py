@@ -26,6 +26,10 @@ when importing the plugin changes anything that page does not list.
 8. Validation scores for LR schedulers: fairseq-train gives a scheduler one score per epoch and no
    way to end training; a scheduler with `step_validation` (paper_lr_schedulers.py) gets every
    validation's score and may end training. Installed by those schedulers when built, not here.
+9. fairseq's `reduce_lr_on_plateau`, resumed: its checkpoint keeps its count of validations without
+   improvement, and a run resumed from an epoch's end takes the scheduler step of that epoch's
+   validation, which fairseq-train takes after saving the checkpoint; so a resumed run decays when
+   the same run uninterrupted would have.
 """
 
 import argparse
@@ -236,6 +240,7 @@ def install():
     give_token_blocks_np_compat()
     allow_fp16_on_cpu()
     keep_fp16_divergence_error()
+    resume_reduce_lr_on_plateau()
     _installed = True
 
 
@@ -370,3 +375,58 @@ def _scores_to_lr_scheduler(train):
 
     train.validate = validate
     train.should_stop_early = should_stop_early
+
+
+# ------------------------------------------------------------------ 9. reduce_lr_on_plateau, resumed
+# torch's ReduceLROnPlateau keeps these besides the best score, which is all fairseq saves
+PLATEAU_COUNTERS = ("num_bad_epochs", "cooldown_counter")
+
+
+def resume_reduce_lr_on_plateau():
+    # fairseq-train saves an epoch's checkpoint, then steps reduce_lr_on_plateau with that epoch's
+    # score. The checkpoint kept the best score but not the count of validations without
+    # improvement, and a run resumed from it never took that last step: each resume forgot up to
+    # --lr-patience bad validations and the last one. Measured on fairseq-train with patience 1 and
+    # a validation that never improves: resumed after epoch 3, the run decayed after epochs 5 and 7
+    # where the same run uninterrupted decayed after 4 and 6. Now the counts are saved beside the
+    # best score (a checkpoint without them resumes with fairseq's zero), and a run resumed from an
+    # epoch's end takes the missed step with the score the checkpoint kept (fairseq's `val_loss`:
+    # the --best-checkpoint-metric the step would have had).
+    from fairseq import trainer as trainer_module
+    from fairseq.optim.lr_scheduler.reduce_lr_on_plateau import ReduceLROnPlateauLRSchedule
+
+    fairseq_state_dict = ReduceLROnPlateauLRSchedule.state_dict
+    fairseq_load_state_dict = ReduceLROnPlateauLRSchedule.load_state_dict
+    fairseq_load_checkpoint = trainer_module.Trainer.load_checkpoint
+
+    def state_dict(self):
+        return {**fairseq_state_dict(self), **{k: getattr(self.lr_scheduler, k) for k in PLATEAU_COUNTERS}}
+
+    def load_state_dict(self, state_dict):
+        fairseq_load_state_dict(self, state_dict)
+        for k in PLATEAU_COUNTERS:
+            if k in state_dict:
+                setattr(self.lr_scheduler, k, state_dict[k])
+
+    def load_checkpoint(self, filename, reset_optimizer=False, reset_lr_scheduler=False, *args, **kwargs):
+        extra_state = fairseq_load_checkpoint(self, filename, reset_optimizer, reset_lr_scheduler, *args, **kwargs)
+        itr = (extra_state or {}).get("train_iterator") or {}
+        at_epoch_end = itr.get("version", 1) >= 2 and itr.get("iterations_in_epoch") == 0
+        score = (extra_state or {}).get("val_loss")
+        if (
+            isinstance(self.lr_scheduler, ReduceLROnPlateauLRSchedule)
+            and not (reset_optimizer or reset_lr_scheduler)
+            and at_epoch_end
+            and score is not None
+        ):
+            bad = self.lr_scheduler.lr_scheduler.num_bad_epochs
+            self.lr_step(itr["epoch"] - 1, score)  # the state dict says "epoch" E + 1 after epoch E
+            logger.info(
+                f"reduce_lr_on_plateau resumed: {bad} validation(s) without improvement before the "
+                f"checkpoint's, whose score ({float(score):g}) it now takes; lr {self.get_lr():g}"
+            )
+        return extra_state
+
+    ReduceLROnPlateauLRSchedule.state_dict = state_dict
+    ReduceLROnPlateauLRSchedule.load_state_dict = load_state_dict
+    trainer_module.Trainer.load_checkpoint = load_checkpoint

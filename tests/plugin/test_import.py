@@ -98,6 +98,9 @@ def test_importing_the_plugin_changes_only_what_the_docs_list(tmp_path):
         "torch._weights_only_unpickler._marked_safe_globals_set",  # 2. torch's allow-list
         "fairseq.trainer.Trainer._build_optimizer",  # 8. --fp16 on the CPU
         "fairseq.trainer.Trainer.train_step",  # 8., and 9. fp16's divergence error kept
+        "fairseq.trainer.Trainer.load_checkpoint",  # 10. reduce_lr_on_plateau resumed
+        "fairseq.optim.lr_scheduler.reduce_lr_on_plateau.ReduceLROnPlateauLRSchedule.state_dict",  # 10.
+        "fairseq.optim.lr_scheduler.reduce_lr_on_plateau.ReduceLROnPlateauLRSchedule.load_state_dict",  # 10.
     ]
     if not hasattr(np, "compat"):
         numbered.append("fairseq.data.token_block_dataset.np")  # 7. numpy 2

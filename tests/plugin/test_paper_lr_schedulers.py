@@ -1,6 +1,7 @@
 """The paper code's learning-rate schedules (fairseq_qknorm/paper_lr_schedulers.py): the rate at
 chosen updates, the decay on made-up sequences of dev scores, the stop, and the state a resumed run
-gets back; in-process here, and through fairseq-train (below)."""
+gets back; in-process here, and through fairseq-train (below). Last, fairseq's own
+reduce_lr_on_plateau resumed (fairseq_patches section 9)."""
 
 import pytest
 import torch
@@ -251,3 +252,45 @@ def test_fairseq_train_warms_up_decays_on_dev_scores_stops_and_resumes(toy_bin, 
     assert state["dev_scores"] == [float(DEV_SCORES_BY_UPDATE[u]) for u in range(2, 19, 2)]
     # every validation was saved (--save-interval-updates): the best dev score (9) is at 14 updates
     assert checkpoint_state(tmp_path / "checkpoint_best.pt")[0] == 14
+
+
+# ---------------------------------------------------------------------------------------------
+# fairseq's reduce_lr_on_plateau, which fairseq-train steps at each epoch's end with its score,
+# after saving that epoch's checkpoint. 2 updates an epoch (800 sentences, 400 a batch).
+# ---------------------------------------------------------------------------------------------
+# Patience 2: no better score at 4, 6 and 8 (the third in a row: decay), at 10; better at 12; not at
+# 14, 16 and 18 (decay). A run stopped after epoch 3 (6 updates) saved 1 bad validation before 6's.
+PLATEAU_SCORES = {2: 5, 4: 4, 6: 4, 8: 3, 10: 2, 12: 6, 14: 1, 16: 1, 18: 1, 20: 1}
+PLATEAU = ["--lr-scheduler", "reduce_lr_on_plateau", "--lr", "1e-3", "--lr-shrink", "0.5", "--lr-patience", "2"]
+
+
+def train_on_plateau(toy_bin, save, max_epoch):
+    import sys
+
+    from conftest import COMMON_TRAIN_FLAGS, TINY_MODEL, USER_DIR, run
+
+    flags = [
+        *COMMON_TRAIN_FLAGS, "--log-interval", "1", "--criterion", "cross_entropy", "--batch-size", "400",
+        "--max-tokens", "100000", *PLATEAU, "--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric",
+        "--max-epoch", str(max_epoch), "--save-dir", str(save),
+    ]  # fmt: skip
+    scores = ",".join(f"{u}:{s}" for u, s in PLATEAU_SCORES.items())
+    model = ["--user-dir", USER_DIR, "--arch", "transformer_qknorm", *TINY_MODEL]
+    proc = run([sys.executable, "-c", DRIVER, toy_bin / "bin", *model, *flags], env={"DEV_SCORES_BY_UPDATE": scores})
+    return proc.stdout + proc.stderr
+
+
+def test_reduce_lr_on_plateau_resumed_decays_where_the_run_uninterrupted_does(toy_bin, tmp_path):
+    straight = logged_rates(train_on_plateau(toy_bin, tmp_path / "straight", max_epoch=10))
+    # the rate logged after n updates is the one for update n + 1: decays after the validations at
+    # 8 and 18 updates
+    want = {n: 1e-3 if n <= 8 else 5e-4 if n <= 18 else 2.5e-4 for n in range(1, 21)}
+    assert straight == pytest.approx(want, rel=1e-4)
+
+    first = logged_rates(train_on_plateau(toy_bin, tmp_path / "resumed", max_epoch=3))
+    num_updates, state = checkpoint_state(tmp_path / "resumed" / "checkpoint_last.pt")
+    log = train_on_plateau(toy_bin, tmp_path / "resumed", max_epoch=10)
+    # fairseq alone forgot the count and 6's step, and decayed only after 18 updates
+    assert {**first, **logged_rates(log)} == pytest.approx(want, rel=1e-4)
+    assert num_updates == 6 and state.get("num_bad_epochs") == 1  # saved before 6's step
+    assert "reduce_lr_on_plateau resumed: 1 validation(s) without improvement" in log
