@@ -419,11 +419,18 @@ def resume_reduce_lr_on_plateau():
             and at_epoch_end
             and score is not None
         ):
+            saved = self._optim_history[-1].get("lr_scheduler_state") or {}
             bad = self.lr_scheduler.lr_scheduler.num_bad_epochs
             self.lr_step(itr["epoch"] - 1, score)  # the state dict says "epoch" E + 1 after epoch E
             logger.info(
-                f"reduce_lr_on_plateau resumed: {bad} validation(s) without improvement before the "
-                f"checkpoint's, whose score ({float(score):g}) it now takes; lr {self.get_lr():g}"
+                "reduce_lr_on_plateau resumed: "
+                + (
+                    f"{bad} validation(s) without improvement"
+                    if "num_bad_epochs" in saved
+                    else "its count of validations without improvement is not in this checkpoint (saved without "
+                    "the plugin): 0"
+                )
+                + f" before the checkpoint's, whose score ({float(score):g}) it now takes; lr {self.get_lr():g}"
             )
         return extra_state
 
