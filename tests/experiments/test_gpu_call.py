@@ -111,7 +111,9 @@ def run_call(tmp_path, lengths, *flags):
     return out, json.loads((out / "gpu-table.json").read_text())
 
 
-def test_a_failing_arm_or_stock_stays_in_its_part(lengths, tmp_path, monkeypatch):
+def build_arms_with(monkeypatch, change):
+    """Every part of the call builds each arm through change(benchmark, dtype, arm, build), build
+    being the part's own (benchmarks.gpu_bench.build_part, patched on MONKEYPATCH)."""
     from benchmarks import gpu_bench
 
     real = gpu_bench.build_part
@@ -119,27 +121,30 @@ def test_a_failing_arm_or_stock_stays_in_its_part(lengths, tmp_path, monkeypatch
     def build_part(benchmark, model, dtype, *args, **kwargs):
         part = real(benchmark, model, dtype, *args, **kwargs)
         build = part.build
-
-        def failing(arm):
-            if (dtype, arm) == ("fp16", "stock") or (benchmark, arm) == ("generate", "qknorm_layernorm_none"):
-                raise ValueError("injected")
-            runner = build(arm)
-            if arm == "qknorm_rmsnorm_none":  # out of memory on its third unit, in the untimed round
-                calls, run = [], runner.run
-
-                def run_out_of_memory(setting, unit):
-                    calls.append(unit)
-                    if len(calls) == 3:
-                        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-                    return run(setting, unit)
-
-                runner.run = run_out_of_memory
-            return runner
-
-        part.build = failing
+        part.build = lambda arm: change(benchmark, dtype, arm, build)
         return part
 
     monkeypatch.setattr(gpu_bench, "build_part", build_part)
+
+
+def test_a_failing_arm_or_stock_stays_in_its_part(lengths, tmp_path, monkeypatch):
+    def failing(benchmark, dtype, arm, build):
+        if (dtype, arm) == ("fp16", "stock") or (benchmark, arm) == ("generate", "qknorm_layernorm_none"):
+            raise ValueError("injected")
+        runner = build(arm)
+        if arm == "qknorm_rmsnorm_none":  # out of memory on its third unit, in the untimed round
+            calls, run = [], runner.run
+
+            def run_out_of_memory(setting, unit):
+                calls.append(unit)
+                if len(calls) == 3:
+                    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+                return run(setting, unit)
+
+            runner.run = run_out_of_memory
+        return runner
+
+    build_arms_with(monkeypatch, failing)
     out, result = run_call(tmp_path, lengths, "--parts", "train-glen-fp16", "train-glen-bf16", "generate-glen-bf16")
     fp16, bf16, generate = result["parts"]
     assert fp16["status"] == "failed" and fp16["note"] == "stock failed: no ratios"
@@ -158,36 +163,28 @@ def test_a_failing_arm_or_stock_stays_in_its_part(lengths, tmp_path, monkeypatch
 
 
 def test_a_part_out_of_time_is_cut_off_and_a_crashed_one_failed_on_resume(lengths, tmp_path, monkeypatch):
-    from benchmarks import gpu_bench, gpu_call, gpu_report
+    from benchmarks import gpu_call, gpu_report
 
     monkeypatch.setattr(gpu_call, "MIN_PART_SECONDS", 0.5)
-    real = gpu_bench.build_part
 
-    def build_part(*args, **kwargs):  # every unit takes half a second: a part cannot fit in one
-        part = real(*args, **kwargs)
-        build = part.build
+    def slow(benchmark, dtype, arm, build):  # every unit takes half a second: a part cannot fit in one
+        runner = build(arm)
+        run = runner.run
 
-        def slow(arm):
-            runner = build(arm)
-            run = runner.run
+        def slow_run(setting, unit):
+            time.sleep(0.5)
+            return run(setting, unit)
 
-            def slow_run(setting, unit):
-                time.sleep(0.5)
-                return run(setting, unit)
+        runner.run = slow_run
+        return runner
 
-            runner.run = slow_run
-            return runner
-
-        part.build = slow
-        return part
-
-    monkeypatch.setattr(gpu_bench, "build_part", build_part)
-    # a second: the first part starts and is cut off, no time is left for the second
-    out, result = run_call(tmp_path, lengths, "--parts", "train-glen-fp16", "train-lm-bf16", "--seconds", "1")
+    with monkeypatch.context() as slowed:
+        build_arms_with(slowed, slow)
+        # a second: the first part starts and is cut off, no time is left for the second
+        out, result = run_call(tmp_path, lengths, "--parts", "train-glen-fp16", "train-lm-bf16", "--seconds", "1")
     first, second = result["parts"]
     assert first["status"] == "cut off" and first["note"] == "its time ran out in the untimed round"
     assert second["status"] == "not run"
-    monkeypatch.setattr(gpu_bench, "build_part", real)
     # as if the process had died during the first part: --resume records it as failed, measures the rest
     result["parts"] = [dict(first, status="running")]
     (out / "gpu-table.json").write_text(json.dumps(result))
