@@ -410,27 +410,28 @@ def resume_reduce_lr_on_plateau():
 
     def load_checkpoint(self, filename, reset_optimizer=False, reset_lr_scheduler=False, *args, **kwargs):
         extra_state = fairseq_load_checkpoint(self, filename, reset_optimizer, reset_lr_scheduler, *args, **kwargs)
-        itr = (extra_state or {}).get("train_iterator") or {}
+        extra = extra_state or {}
+        itr, score = extra.get("train_iterator") or {}, extra.get("val_loss")
         at_epoch_end = itr.get("version", 1) >= 2 and itr.get("iterations_in_epoch") == 0
-        score = (extra_state or {}).get("val_loss")
+        # the cheap checks first: self.lr_scheduler builds the optimizer when there is none yet
         if (
-            isinstance(self.lr_scheduler, ReduceLROnPlateauLRSchedule)
-            and not (reset_optimizer or reset_lr_scheduler)
+            score is not None
             and at_epoch_end
-            and score is not None
+            and not (reset_optimizer or reset_lr_scheduler)
+            and isinstance(self.lr_scheduler, ReduceLROnPlateauLRSchedule)
         ):
-            saved = self._optim_history[-1].get("lr_scheduler_state") or {}
             bad = self.lr_scheduler.lr_scheduler.num_bad_epochs
+            if "num_bad_epochs" in (self._optim_history[-1].get("lr_scheduler_state") or {}):
+                count = f"{bad} validation(s) without improvement"
+            else:
+                count = (
+                    "its count of validations without improvement is not in this checkpoint "
+                    "(saved without the plugin): 0"
+                )
             self.lr_step(itr["epoch"] - 1, score)  # the state dict says "epoch" E + 1 after epoch E
             logger.info(
-                "reduce_lr_on_plateau resumed: "
-                + (
-                    f"{bad} validation(s) without improvement"
-                    if "num_bad_epochs" in saved
-                    else "its count of validations without improvement is not in this checkpoint (saved without "
-                    "the plugin): 0"
-                )
-                + f" before the checkpoint's, whose score ({float(score):g}) it now takes; lr {self.get_lr():g}"
+                f"reduce_lr_on_plateau resumed: {count} before the checkpoint's, whose score ({float(score):g}) "
+                f"it now takes; lr {self.get_lr():g}"
             )
         return extra_state
 
