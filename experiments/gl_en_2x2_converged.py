@@ -20,7 +20,9 @@ reduce_lr_on_plateau steps on fairseq's own --eval-bleu, as in every recipe). Th
 its dev curve so far, is rewritten after every validation (and committed with --commit), so a
 measured point is never lost. Rerun, a run resumes from its checkpoint_last.pt; a run whose
 checkpoints are gone (a new machine) restarts from its first update, its earlier curve kept in the
-record as `lost_curves`, which the report counts. Checkpoints live in the run's folder (--arm-dir),
+record as `lost_curves`, which the report counts. The record names the CPU each stretch of
+training ran on (`cpus`: [updates, model] wherever it changed): a run's numbers differ slightly from
+one CPU model to another, so repeated validations agree exactly only on the same one. Checkpoints live in the run's folder (--arm-dir),
 which must be outside the repository: only records and hypotheses are ever committed.
 """
 
@@ -46,6 +48,7 @@ from experiments.gl_en_2x2_records import (
     read_runs,
     write_runs,
 )
+from experiments.machine import cpu_name
 from fairseq_qknorm_cli.files import fail, write_text
 
 PATIENCE = 8
@@ -257,6 +260,7 @@ class Run:
             "g": {},
             "resumed_at_updates": [],
             "lost_curves": [],
+            "cpus": [],
             "train_command": portable_command(" ".join(a.train_command), a.arm_dir),
             "commit": git(
                 "rev-parse", "--short", "HEAD", cwd=os.path.dirname(os.path.abspath(__file__))
@@ -282,6 +286,7 @@ class Run:
                 {
                     "dev_curve": entry["dev_curve"],
                     "train_seconds": entry["train_seconds"],
+                    "cpus": entry.get("cpus", []),
                     "note": "checkpoints lost; restarted from scratch",
                 }
             )
@@ -297,6 +302,7 @@ class Run:
                 updates=0,
                 epochs=0,
                 train_seconds=0,
+                cpus=[],
             )
         os.makedirs(self.save_dir, exist_ok=True)
         entry["train_command"] = portable_command(" ".join(a.train_command), a.arm_dir)
@@ -312,8 +318,13 @@ class Run:
         stops the run or fairseq-train ends."""
         a = self.args
         last = os.path.join(self.save_dir, "checkpoint_last.pt")
+        from_updates = 0
         if os.path.exists(last):  # fairseq-train resumes from it
-            entry["resumed_at_updates"].append(checkpoint_state(last)["optimizer_history"][-1]["num_updates"])
+            from_updates = checkpoint_state(last)["optimizer_history"][-1]["num_updates"]
+            entry["resumed_at_updates"].append(from_updates)
+        cpus = entry.setdefault("cpus", [])  # records from before it have none
+        if not cpus or cpus[-1][1] != cpu_name():
+            cpus.append([from_updates, cpu_name()])
         log(f"{self.name}: fairseq-train {'resumes' if os.path.exists(last) else 'starts'} (log: {self.log_path})")
         started = time.time()
         seconds_before = entry["train_seconds"]

@@ -452,6 +452,11 @@ def seeds_section(runs):
     return "\n".join(lines)
 
 
+def on_cpus(cpus):
+    """Where a run trained, from its record's [[updates, cpu model], ...] ("" where not recorded)."""
+    return ", then ".join(f"{cpu} from {u:,} updates" if u else cpu for u, cpu in cpus)
+
+
 def how_it_ran(runs):
     lines = []
     for r in runs:
@@ -462,14 +467,17 @@ def how_it_ran(runs):
             if same:
                 exact = sum(a == b for a, b in same)
                 worst = max(abs(a - b) for a, b in same)
+                where = on_cpus(lost.get("cpus", []))
                 reproduced.append(
                     f"{exact} of {len(same)} validations measured twice agree exactly (largest difference {worst:.2f})"
+                    + (f", the earlier on {where}" if where else "")
                 )
         resumed = ", ".join(f"{u:,}" for u in r.get("resumed_at_updates", []))
         lost = len(r.get("lost_curves", []))
         restarts = sum(c.get("note", "").startswith("checkpoints lost") for c in r.get("lost_curves", []))
         lines.append(
             f"- {SHORT[cell(r)]}, seed {r['seed']}: commit {r['commit']}, {r['threads']} thread(s), "
+            + (f"on {on_cpus(r['cpus'])}, " if r.get("cpus") else "")
             + (f"resumed at {resumed} updates" if resumed else "never resumed")
             + (
                 f"; restarted from its first update {restarts} time(s), its checkpoints lost with a machine"
@@ -482,9 +490,13 @@ def how_it_ran(runs):
         )
     lines += [
         "",
-        "Each run's fairseq-train command is in runs.json (`train_command`). Until the plugin kept it"
-        " ([docs/changes.md](../../../docs/changes.md)), fairseq's `reduce_lr_on_plateau` forgot at every"
-        " resume its count of validations without a better dev BLEU and the step of the checkpoint's own"
+        "Each run's fairseq-train command is in runs.json (`train_command`). The CPU model is named where"
+        " the record holds it (runs started or resumed after the driver began to record it): floating-point"
+        " results may differ slightly between CPU models, so a validation measured twice is expected to"
+        " agree exactly only on the same model and without a resume between, which changes how fairseq"
+        " groups the batches ([examples/interrupt/RESULTS.md](../../interrupt/RESULTS.md)). Until the"
+        " plugin fixed it ([docs/changes.md](../../../docs/changes.md)), fairseq's `reduce_lr_on_plateau`"
+        " forgot at every resume its count of validations without a better dev BLEU and the step of the checkpoint's own"
         " validation: a run resumed after warm-up under it may have lowered its rate later than the"
         " same run uninterrupted. The seed-1 runs' resumes all came before the fix. Seed 2's ScaleNorm runs"
         " moved to it at 2,720 (QKNorm) and 2,992 (dot) updates, each resumed from a validation better than"

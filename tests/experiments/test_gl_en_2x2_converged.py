@@ -15,6 +15,7 @@ import pytest
 from sacrebleu.metrics import BLEU
 
 from experiments.gl_en_2x2_converged import stop_reason
+from experiments.machine import cpu_name
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "examples" / "ted" / "gl-en-2x2-converged" / "run.sh"
@@ -93,6 +94,7 @@ def test_a_run_stops_by_the_rule_with_its_record(stopped, gl_en_data):
     assert r["best_updates"] == dev[best][0]
     assert "--arch transformer_qknorm_paper" in r["train_command"] and "--user-dir $USER_DIR" in r["train_command"]
     assert str(work) not in r["train_command"] and r["threads"] == 1 and r["commit"]
+    assert r["cpus"] == [[0, cpu_name()]]  # what it trained on, from its first update
     assert r["g"] and all(isinstance(g, float) for g in r["g"].values())
     # The committed hypotheses rescore to the recorded BLEU (sacrebleu --tokenize none on test.en).
     hyp = (records / r["hyp"]).read_text().splitlines()
@@ -121,6 +123,7 @@ def reopen(records, entry):
 def test_an_unfinished_run_resumes_from_its_checkpoint(stopped, gl_en_data):
     work, records = stopped
     r = entry_of(records)
+    r["cpus"] = [[0, "an earlier CPU"]]  # as if it had trained on another machine until now
     reopen(records, r)
     proc = campaign(work, records, gl_en_data, PATIENCE="50", MAX_UPDATE=str(r["updates"] + 50))
     assert "fairseq-train resumes" in proc.stderr
@@ -130,6 +133,7 @@ def test_an_unfinished_run_resumes_from_its_checkpoint(stopped, gl_en_data):
     # fairseq-train went on a little after the stopping validation, until the driver stopped it
     (resumed_at,) = after["resumed_at_updates"]
     assert resumed_at >= r["updates"] and after["lost_curves"] == []
+    assert after["cpus"] == [[0, "an earlier CPU"], [resumed_at, cpu_name()]]
     train_log = (work / "arms" / "qknorm-seed1" / "train.log").read_text()
     assert f"@ {resumed_at} updates)" in train_log  # fairseq's "Loaded checkpoint ... (epoch E @ N updates)"
 
@@ -247,7 +251,23 @@ def test_a_run_whose_checkpoints_are_gone_restarts_with_its_curve_kept(stopped, 
     assert "restarting from scratch" in proc.stderr and "fairseq-train starts" in proc.stderr
     after = entry_of(records)
     assert after["lost_curves"][-1]["dev_curve"] == r["dev_curve"]
+    assert after["lost_curves"][-1]["cpus"] == r["cpus"] and after["cpus"] == [[0, cpu_name()]]
     assert after["dev_curve"][-1][0] <= 45 and after["stop_reason"] in ("plateau", "cap")
+
+
+def test_how_it_ran_names_the_cpus_of_a_run_and_of_its_lost_curve():
+    from experiments.gl_en_2x2_converged_report import how_it_ran
+
+    lost = dict(dev_curve=curve(1.0, 2.0), cpus=[[0, "CPU A"]], note="checkpoints lost; restarted from scratch")
+    run = dict(norm="scalenorm", attention="qknorm", seed=2, commit="abc1234", threads=1, dev_curve=curve(1.0, 2.5))
+    run.update(resumed_at_updates=[100], lost_curves=[lost], cpus=[[0, "CPU B"], [100, "CPU C"]])
+    (line,) = [x for x in how_it_ran([run]).splitlines() if x.startswith("- ")]
+    assert line.startswith("- ScaleNorm + QKNorm, seed 2: commit abc1234, 1 thread(s), on CPU B, then CPU C from 100")
+    assert "1 of 2 validations measured twice agree exactly (largest difference 0.50), the earlier on CPU A" in line
+    # a record from before the CPU was recorded names none
+    old = {k: v for k, v in run.items() if k != "cpus"}
+    old["lost_curves"] = [{k: v for k, v in lost.items() if k != "cpus"}]
+    assert "CPU" not in how_it_ran([old]).split("\n\n")[0]
 
 
 def test_the_difference_summary_reads_early_and_late_validations():
