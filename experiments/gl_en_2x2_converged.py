@@ -20,7 +20,7 @@ reduce_lr_on_plateau steps on fairseq's own --eval-bleu, as in every recipe). Th
 its dev curve so far, is rewritten after every validation (and committed with --commit), so a
 measured point is never lost. Rerun, a run resumes from its checkpoint_last.pt; a run whose
 checkpoints are gone (a new machine) restarts from its first update, its earlier curve kept in the
-record as `lost_curves`, which the report counts. The record names the CPU each stretch of
+record as `lost_curves` (with the commit, resumes and CPUs that curve had), which the report counts. The record names the CPU each stretch of
 training ran on (`cpus`: [updates, model] wherever it changed): a run's numbers differ slightly from
 one CPU model to another, so repeated validations agree exactly only on the same one. Checkpoints live in the run's folder (--arm-dir),
 which must be outside the repository: only records and hypotheses are ever committed.
@@ -197,6 +197,11 @@ def tracked_by_git(path):
     return inside and git("check-ignore", "-q", os.path.abspath(path), cwd=parent).returncode != 0
 
 
+def head_commit():
+    """The commit of the code that runs (this file's checkout)."""
+    return git("rev-parse", "--short", "HEAD", cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+
+
 def log(message):
     print(f"| {time.strftime('%H:%M:%S', time.gmtime())} {message}", file=sys.stderr, flush=True)
 
@@ -262,9 +267,7 @@ class Run:
             "lost_curves": [],
             "cpus": [],
             "train_command": portable_command(" ".join(a.train_command), a.arm_dir),
-            "commit": git(
-                "rev-parse", "--short", "HEAD", cwd=os.path.dirname(os.path.abspath(__file__))
-            ).stdout.strip(),
+            "commit": head_commit(),
             "threads": a.threads,
             "train_seconds": 0,
             "preset": a.preset,
@@ -282,13 +285,10 @@ class Run:
         if not resumable:
             shutil.rmtree(a.arm_dir, ignore_errors=True)
         if entry["dev_curve"] and not resumable:
+            # what describes the curve so far goes with it; the record's own fields describe the new one
+            lost = ("dev_curve", "train_seconds", "commit", "resumed_at_updates", "cpus")
             entry["lost_curves"].append(
-                {
-                    "dev_curve": entry["dev_curve"],
-                    "train_seconds": entry["train_seconds"],
-                    "cpus": entry.get("cpus", []),
-                    "note": "checkpoints lost; restarted from scratch",
-                }
+                {**{k: entry[k] for k in lost if k in entry}, "note": "checkpoints lost; restarted from scratch"}
             )
             log(
                 f"{self.name}: its checkpoints are gone; restarting from scratch (its curve so far kept in lost_curves)"
@@ -302,6 +302,8 @@ class Run:
                 updates=0,
                 epochs=0,
                 train_seconds=0,
+                commit=head_commit(),
+                resumed_at_updates=[],
                 cpus=[],
             )
         os.makedirs(self.save_dir, exist_ok=True)

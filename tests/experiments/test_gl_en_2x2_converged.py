@@ -245,13 +245,17 @@ def test_the_effects_stand_beside_the_same_effects_at_ten_epochs():
 def test_a_run_whose_checkpoints_are_gone_restarts_with_its_curve_kept(stopped, gl_en_data):
     work, records = stopped
     r = entry_of(records)
+    r.update(resumed_at_updates=[20, 40], commit="0000000")  # as if resumed twice, from older code
     reopen(records, r)
     shutil.rmtree(work / "arms" / "qknorm-seed1")
     proc = campaign(work, records, gl_en_data, MAX_UPDATE="45")
     assert "restarting from scratch" in proc.stderr and "fairseq-train starts" in proc.stderr
     after = entry_of(records)
-    assert after["lost_curves"][-1]["dev_curve"] == r["dev_curve"]
-    assert after["lost_curves"][-1]["cpus"] == r["cpus"] and after["cpus"] == [[0, cpu_name()]]
+    # what described the lost curve goes with it: the record's fields describe the new curve
+    lost = after["lost_curves"][-1]
+    assert lost["dev_curve"] == r["dev_curve"] and lost["cpus"] == r["cpus"]
+    assert lost["resumed_at_updates"] == [20, 40] and lost["commit"] == "0000000"
+    assert after["cpus"] == [[0, cpu_name()]] and after["resumed_at_updates"] == [] and after["commit"] != "0000000"
     assert after["dev_curve"][-1][0] <= 45 and after["stop_reason"] in ("plateau", "cap")
 
 
