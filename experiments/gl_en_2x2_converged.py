@@ -20,10 +20,11 @@ reduce_lr_on_plateau steps on fairseq's own --eval-bleu, as in every recipe). Th
 its dev curve so far, is rewritten after every validation (and committed with --commit), so a
 measured point is never lost. Rerun, a run resumes from its checkpoint_last.pt; a run whose
 checkpoints are gone (a new machine) restarts from its first update, its earlier curve kept in the
-record as `lost_curves` (with the commit, resumes and CPUs that curve had), which the report counts. The record names the CPU each stretch of
-training ran on (`cpus`: [updates, model] wherever it changed): a run's numbers differ slightly from
-one CPU model to another, so repeated validations agree exactly only on the same one. Checkpoints live in the run's folder (--arm-dir),
-which must be outside the repository: only records and hypotheses are ever committed.
+record as `lost_curves` (with the commit, resumes and CPUs that curve had), which the report counts.
+The record names the CPU model each stretch of training ran on (`cpus`: [updates, model] wherever it
+changed): floating-point results may differ slightly from one model to another. Checkpoints live in
+the run's folder (--arm-dir), which must be outside the repository: only records and hypotheses are
+ever committed.
 """
 
 import argparse
@@ -324,9 +325,9 @@ class Run:
         if os.path.exists(last):  # fairseq-train resumes from it
             from_updates = checkpoint_state(last)["optimizer_history"][-1]["num_updates"]
             entry["resumed_at_updates"].append(from_updates)
-        cpus = entry.setdefault("cpus", [])  # records from before it have none
-        if not cpus or cpus[-1][1] != cpu_name():
-            cpus.append([from_updates, cpu_name()])
+        cpus, cpu = entry.setdefault("cpus", []), cpu_name()  # records from before it have no cpus
+        if not cpus or cpus[-1][1] != cpu:
+            cpus.append([from_updates, cpu])
         log(f"{self.name}: fairseq-train {'resumes' if os.path.exists(last) else 'starts'} (log: {self.log_path})")
         started = time.time()
         seconds_before = entry["train_seconds"]

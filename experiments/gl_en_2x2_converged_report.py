@@ -496,8 +496,8 @@ def how_it_ran(runs):
         " agree exactly only on the same model and without a resume between, which changes how fairseq"
         " groups the batches ([examples/interrupt/RESULTS.md](../../interrupt/RESULTS.md)). Until the"
         " plugin fixed it ([docs/changes.md](../../../docs/changes.md)), fairseq's `reduce_lr_on_plateau`"
-        " forgot at every resume its count of validations without a better dev BLEU and the step of the checkpoint's own"
-        " validation: a run resumed after warm-up under it may have lowered its rate later than the"
+        " forgot at every resume its count of validations without a better dev BLEU and the step of the"
+        " checkpoint's own validation: a run resumed after warm-up under it may have lowered its rate later than the"
         " same run uninterrupted. The seed-1 runs' resumes all came before the fix. Seed 2's ScaleNorm runs"
         " moved to it at 2,720 (QKNorm) and 2,992 (dot) updates, each resumed from a validation better than"
         " its best before, after which the count is zero whatever it was: nothing was lost there.",
