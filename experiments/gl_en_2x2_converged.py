@@ -57,7 +57,9 @@ MAX_UPDATE = 13600
 # Decoding as the recipes decode (examples/common.sh): beam 4, length penalty 0.6, source + 50 tokens.
 DECODING = ["--beam", "4", "--lenpen", "0.6", "--max-len-a", "1", "--max-len-b", "50"]
 BEST, LAST = "checkpoint_best_dev.pt", "checkpoint_last_scored.pt"
-POLL_SECONDS = 20
+# How often the log is read for new checkpoints (a few hundred lines at most); an ended fairseq-train
+# is noticed at once.
+POLL_SECONDS = 2
 
 
 def stop_reason(curve, patience, max_update):
@@ -344,7 +346,10 @@ class Run:
                         break
                 if reason or finished:
                     break
-                time.sleep(POLL_SECONDS)
+                try:
+                    proc.wait(timeout=POLL_SECONDS)
+                except subprocess.TimeoutExpired:
+                    pass
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
