@@ -3,6 +3,7 @@ QKNorm model trained on it through the real fairseq-train CLI (once per test ses
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -123,6 +124,15 @@ def toy_bin(toy_raw, tmp_path_factory):
     return d
 
 
+def train_args(
+    data_bin, save_dir, arch="transformer_qknorm", extra=(), max_update=40, model=TINY_MODEL, flags=TRAIN_FLAGS
+):
+    """fairseq-train's arguments with the plugin, ARCH and the MODEL and training FLAGS, for
+    MAX_UPDATE updates into SAVE_DIR; EXTRA flags last."""
+    run_length = ["--max-update", str(max_update), "--save-dir", save_dir]
+    return [data_bin, "--user-dir", USER_DIR, "--arch", arch, *model, *flags, *run_length, *extra]
+
+
 def train(
     data_bin,
     save_dir,
@@ -135,28 +145,48 @@ def train(
     launcher=(),
     **kwargs,
 ):
-    """fairseq-train (behind launcher, e.g. torchrun) with the plugin, ARCH and the MODEL and
-    training FLAGS, for MAX_UPDATE updates into SAVE_DIR; EXTRA flags last."""
+    """fairseq-train (behind launcher, e.g. torchrun) with train_args(); the other keywords go to run()."""
     flags = flags if cpu else [f for f in flags if f != "--cpu"]
-    return run(
-        [
-            *launcher,
-            tool("fairseq-train"),
-            data_bin,
-            "--user-dir",
-            USER_DIR,
-            "--arch",
-            arch,
-            *model,
-            *flags,
-            "--max-update",
-            str(max_update),
-            "--save-dir",
-            save_dir,
-            *extra,
-        ],
-        **kwargs,
-    )
+    command = train_args(data_bin, save_dir, arch, extra, max_update, model, flags)
+    return run([*launcher, tool("fairseq-train"), *command], **kwargs)
+
+
+def train_in_this_process(argv):
+    """fairseq-train ARGV in this process: fairseq_cli.train's main, as the command calls it after
+    parsing its flags. For a model a test only reads or a training it watches from inside; what a user
+    sees from the command is tested through train()."""
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.distributed import utils as distributed_utils
+    from fairseq_cli.train import main
+
+    args = options.parse_args_and_arch(options.get_training_parser(), [str(a) for a in argv])
+    distributed_utils.call_main(convert_namespace_to_omegaconf(args), main)
+
+
+# fairseq-train's entry point, for several trainings in turn; each one's output follows a line naming
+# it, and an error in one is printed there and the next one still trains.
+TRAIN_EACH = """
+import json, os, sys, traceback
+from fairseq_cli.train import cli_main
+os.dup2(1, 2)  # fairseq logs to stdout, tracebacks go to stderr: one stream, in order
+for name, argv in json.loads(sys.argv[1]).items():
+    print("=== " + name, flush=True)
+    sys.argv = ["fairseq-train", *argv]
+    try:
+        cli_main()
+    except BaseException:
+        traceback.print_exc()
+"""
+
+
+def train_each(runs):
+    """{name: its fairseq-train output} for {name: train_args()'s keywords}, trained in that order in
+    one process: one import of fairseq, not one per training. For tests of what a model trains to;
+    what a user sees from the fairseq-train command is tested through train()."""
+    argv = {name: [str(a) for a in train_args(**kw)] for name, kw in runs.items()}
+    out = run([tool("python"), "-c", TRAIN_EACH, json.dumps(argv)]).stdout
+    return dict(re.findall(r"^=== (\S+)\n(.*?)(?=^=== |\Z)", out, re.M | re.S))
 
 
 def decode(command, data, checkpoint, flags, **kwargs):

@@ -3,7 +3,7 @@ update; the language-model architectures are registered (tests/plugin/test_lm.py
 
 import pytest
 import torch
-from conftest import build_model, train
+from conftest import build_model, train_each
 from fairseq.models import ARCH_MODEL_REGISTRY
 
 import fairseq_qknorm  # noqa: F401
@@ -31,17 +31,24 @@ def test_the_expected_architectures_are_registered():
     ]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_trains_one_update_at_its_own_size(arch, toy_bin, tmp_path):
-    proc = train(
-        toy_bin / "bin",
-        tmp_path / "ckpt",
-        arch=arch,
-        model=(),
-        max_update=1,
-        extra=["--max-tokens", "400", "--no-save", "--disable-validation"],
+@pytest.fixture(scope="module")
+def one_update_each(toy_bin, tmp_path_factory):
+    """{arch: its fairseq-train output}: one update at the architecture's own size (no model flags),
+    each into a save dir of its own, all in one process."""
+    save = tmp_path_factory.mktemp("archs")
+    extra = ["--max-tokens", "400", "--no-save", "--disable-validation"]
+    return train_each(
+        {
+            arch: dict(data_bin=toy_bin / "bin", save_dir=save / arch, arch=arch, model=(), max_update=1, extra=extra)
+            for arch in ARCHS
+        }
     )
-    assert "num_updates 1" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_trains_one_update_at_its_own_size(arch, one_update_each):
+    out = one_update_each[arch]
+    assert "num_updates 1" in out, out[-3000:]
 
 
 def test_paper_arms_differ_only_in_norm_and_attention():

@@ -4,7 +4,9 @@ same greedy continuation; int8 runs; per-head g under a norm, translation models
 checkpoints are refused with one line. The variants start from one fairseq-train checkpoint of the
 tiny LM, rebuilt with each variant's flags and moved off their initial norm weights and g."""
 
+import json
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -62,6 +64,51 @@ def export(checkpoint, data, out, *flags, check=True):
     )
 
 
+# fairseq-qknorm-export-ct2's main, as the command calls it, once per export (a process of its own
+# each would mostly import fairseq again): {job: traceback} for the jobs that raised.
+EXPORT_EACH = """
+import json, sys, traceback
+from fairseq_qknorm_cli.export_ct2 import main
+failed = {}
+for job, argv in json.loads(sys.argv[1]).items():
+    try:
+        main(argv)
+    except BaseException:
+        failed[job] = traceback.format_exc()
+print(json.dumps(failed))
+"""
+
+
+@pytest.fixture(scope="module")
+def exported(lm, lm_bos, lm_bin, tmp_path_factory):  # noqa: F811
+    """Every export that must succeed, run in one process: {job: (checkpoint, CTranslate2 model
+    folder)}; a test whose export raised fails with its traceback. The refusals, whose one error
+    line and exit status belong to a whole command, each run the command."""
+    d = tmp_path_factory.mktemp("exported")
+    best = lm[0] / "checkpoint_best.pt"
+    jobs = {name: (best, []) for name in VARIANTS}  # job: (checkpoint, the command's other flags)
+    for name, variant in VARIANTS.items():
+        if variant is not None:
+            heads_equal = name == "l2-perhead-equal"
+            jobs[name] = (variant_checkpoint(best, lm_bin, d / f"{name}.pt", heads_equal, **variant), [])
+    jobs["start-</s>"] = (lm[0] / "checkpoint_last.pt", [])
+    jobs["start-<s>"] = (lm_bos[0] / "checkpoint_last.pt", [])
+    jobs["int8"] = (best, ["--quantization", "int8"])
+    folders = {job: d / f"ct2-{i}" for i, job in enumerate(jobs)}
+    argv = {
+        job: [str(a) for a in ("--model_path", checkpoint, "--data_dir", lm_bin, "--output_dir", folders[job], *flags)]
+        for job, (checkpoint, flags) in jobs.items()
+    }
+    failed = json.loads(run([sys.executable, "-c", EXPORT_EACH, json.dumps(argv)]).stdout.splitlines()[-1])
+    return {job: (checkpoint, folders[job], failed.get(job)) for job, (checkpoint, _) in jobs.items()}
+
+
+def exported_model(exported, job):
+    checkpoint, folder, failure = exported[job]
+    assert failure is None, failure
+    return checkpoint, folder
+
+
 def fairseq_model(checkpoint, data):
     from fairseq.models.transformer_lm import TransformerLanguageModel
 
@@ -112,41 +159,33 @@ def greedy(model, prompt, steps, d):
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_exported_model_scores_and_decodes_like_fairseq(lm, lm_bin, tmp_path, name):  # noqa: F811
-    save, _ = lm
-    checkpoint = save / "checkpoint_best.pt"
-    if VARIANTS[name] is not None:
-        checkpoint = variant_checkpoint(
-            checkpoint, lm_bin, tmp_path / "variant.pt", heads_equal=name == "l2-perhead-equal", **VARIANTS[name]
-        )
-    export(checkpoint, lm_bin, tmp_path / "ct2")
-    diff, same_greedy = compare(fairseq_model(checkpoint, lm_bin), tmp_path / "ct2", lm_bin)
+def test_exported_model_scores_and_decodes_like_fairseq(exported, lm_bin, name):  # noqa: F811
+    checkpoint, model_dir = exported_model(exported, name)
+    diff, same_greedy = compare(fairseq_model(checkpoint, lm_bin), model_dir, lm_bin)
     assert diff < 1e-4 and same_greedy, (diff, same_greedy)
 
 
 @pytest.mark.parametrize("add_bos_token", [False, True])
-def test_the_start_token_is_the_one_the_model_trained_with(lm, lm_bos, lm_bin, tmp_path, add_bos_token):  # noqa: F811
+def test_the_start_token_is_the_one_the_model_trained_with(exported, lm_bin, add_bos_token):  # noqa: F811
     """fairseq starts every sample from </s>, or from <s> with --add-bos-token: that token is
     CTranslate2's start token, which its results leave out, and sentences starting from it score
     and decode as in fairseq."""
     start = "<s>" if add_bos_token else "</s>"
-    checkpoint = (lm_bos if add_bos_token else lm)[0] / "checkpoint_last.pt"
-    export(checkpoint, lm_bin, tmp_path / "ct2")
+    checkpoint, model_dir = exported_model(exported, f"start-{start}")  # lm_bos's or lm's last checkpoint
     hub = fairseq_model(checkpoint, lm_bin)
-    diff, same_greedy = compare(hub, tmp_path / "ct2", lm_bin, start=start)
+    diff, same_greedy = compare(hub, model_dir, lm_bin, start=start)
     assert diff < 1e-4 and same_greedy, (diff, same_greedy)
-    generator = ctranslate2.Generator(str(tmp_path / "ct2"), device="cpu")
+    generator = ctranslate2.Generator(str(model_dir), device="cpu")
     prompt = [hub.task.source_dictionary[i] for i in sentences(hub, lm_bin, n=1, start=start)[0][:4].tolist()]
     assert prompt[0] == start
     [result] = generator.generate_batch([prompt], max_length=8, sampling_topk=1)  # the prompt in the result
     assert result.sequences[0][:3] == prompt[1:]
 
 
-def test_int8_model_runs_close_to_fairseq(lm, lm_bin, tmp_path):  # noqa: F811
-    save, _ = lm
-    export(save / "checkpoint_best.pt", lm_bin, tmp_path / "int8", "--quantization", "int8")
+def test_int8_model_runs_close_to_fairseq(exported, lm_bin):  # noqa: F811
+    checkpoint, model_dir = exported_model(exported, "int8")  # lm's best checkpoint, --quantization int8
     diffs = []
-    compare(fairseq_model(save / "checkpoint_best.pt", lm_bin), tmp_path / "int8", lm_bin, "int8", diffs)
+    compare(fairseq_model(checkpoint, lm_bin), model_dir, lm_bin, "int8", diffs)
     # Quantized: not exact, but the same model. Measured on this fixture: median 0.08, largest 0.70
     # (a rare token's); another model's log-probs differ by nats, typically everywhere.
     assert 0 < np.median(diffs) < 0.25 and max(diffs) < 2.0, (np.median(diffs), max(diffs))

@@ -18,7 +18,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import COMMON_TRAIN_FLAGS, TINY_MODEL, TRAIN_FLAGS, USER_DIR, decode, train
+from conftest import COMMON_TRAIN_FLAGS, TINY_MODEL, TRAIN_FLAGS, USER_DIR, decode, train, train_in_this_process
 
 import fairseq_qknorm  # noqa: F401  (registers the models, installs the CPU fp16 route)
 from fairseq_qknorm import fairseq_patches
@@ -46,7 +46,13 @@ PRECISIONS = {
     "memory-efficient": ["--memory-efficient-fp16"],  # MemoryEfficientFP16Optimizer: no fp32 copy
 }
 # fmt: on
-OVERFLOWING_SCALE = 2.0**16  # the first updates' gradients overflow fp16 times this: fairseq halves it
+# A CPU's fp16 step takes several times fp32's, and grows with the batch: the runs that overflow (each
+# overflow costs one more step) train on batches of a few hundred tokens, whose gradients fit in fp16
+# under a loss scale of 4,096 or less (measured, every model here). 2**14 overflows the first updates
+# of them all, four times over the largest: fairseq halves it, update after update, until they fit.
+SMALL_BATCHES = ["--max-tokens", "400"]
+OVERFLOWING_SCALE = 2.0**14
+OVERFLOWING = ["--fp16-init-scale", str(int(OVERFLOWING_SCALE)), *SMALL_BATCHES]
 
 
 @pytest.fixture(scope="module")
@@ -74,14 +80,6 @@ def config(argv):
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
     return convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), argv))
-
-
-def fairseq_train_main(argv):
-    """fairseq-train ARGV, in this process: fairseq_cli.train's main, as the command calls it."""
-    from fairseq.distributed import utils as distributed_utils
-    from fairseq_cli.train import main
-
-    distributed_utils.call_main(config(argv), main)
 
 
 def trainer_for(argv):
@@ -130,7 +128,7 @@ def assert_float32_only(g, g0=None):
 def fp16_checkpoint(toy_bin, tmp_path_factory):
     """fairseq-train --cpu --fp16, the paper's system (tiny), run as a user runs it: (save dir, log)."""
     save = tmp_path_factory.mktemp("fp16_cli")
-    extra = ["--fp16", "--fp16-init-scale", str(int(OVERFLOWING_SCALE)), "--log-interval", "1"]
+    extra = ["--fp16", *OVERFLOWING, "--log-interval", "1"]
     proc = train(toy_bin / "bin", save, arch="transformer_qknorm_paper", extra=extra, max_update=6)
     return save, proc.stdout + proc.stderr
 
@@ -138,7 +136,7 @@ def fp16_checkpoint(toy_bin, tmp_path_factory):
 def test_fairseq_train_cpu_fp16_command_trains_and_logs_the_loss_scale(fp16_checkpoint):
     save, log = fp16_checkpoint
     assert log.count(fairseq_patches.FP16_ON_CPU_NOTE) == 1
-    assert "gradient overflow detected, ignoring gradient, setting loss scale to: 32768.0" in log
+    assert f"gradient overflow detected, ignoring gradient, setting loss scale to: {OVERFLOWING_SCALE / 2}" in log
     inner = [line for line in log.splitlines() if "train_inner" in line]
     assert [int(re.search(r"num_updates=(\d+)", line).group(1)) for line in inner] == [1, 2, 3, 4, 5, 6]
     scales = [float(re.search(r"loss_scale=([\d.]+)", line).group(1)) for line in inner]
@@ -198,8 +196,8 @@ RUNS = [(v, p) for v in VARIANTS for p in ("fp16", "memory-efficient")] + [
 @pytest.mark.parametrize("variant, precision", RUNS)
 def test_fp16_training_through_fairseq_train_and_its_resume(data, tmp_path, caplog, variant, precision):
     caplog.set_level(logging.INFO)
-    extra = [*PRECISIONS[precision], "--fp16-init-scale", str(int(OVERFLOWING_SCALE)), "--log-interval", "1"]
-    fairseq_train_main(fairseq_train_flags(data, variant, tmp_path, *extra, "--max-update", "3"))
+    extra = [*PRECISIONS[precision], *OVERFLOWING, "--log-interval", "1"]
+    train_in_this_process(fairseq_train_flags(data, variant, tmp_path, *extra, "--max-update", "3"))
     first = [r.getMessage() for r in caplog.records]
     assert sum(fairseq_patches.FP16_ON_CPU_NOTE in m for m in first) == 1
     overflows = [m for m in first if "gradient overflow detected" in m]
@@ -217,7 +215,7 @@ def test_fp16_training_through_fairseq_train_and_its_resume(data, tmp_path, capl
     # overflow again (each halves the scale): its last scale is the saved one halved that often.
     caplog.clear()
     extra[extra.index("--fp16-init-scale") + 1] = str(int(OVERFLOWING_SCALE) * 1024)
-    fairseq_train_main(fairseq_train_flags(data, variant, tmp_path, *extra, "--max-update", "5"))
+    train_in_this_process(fairseq_train_flags(data, variant, tmp_path, *extra, "--max-update", "5"))
     resumed = [r.getMessage() for r in caplog.records]
     assert any("Loaded checkpoint" in m and "@ 3 updates" in m for m in resumed)
     state = saved(tmp_path / "checkpoint_last.pt")
@@ -239,9 +237,7 @@ def fp32_master(trainer):
 
 @pytest.mark.parametrize("variant, precision", RUNS)
 def test_an_overflowing_update_is_skipped_and_training_goes_on(data, tmp_path, variant, precision):
-    argv = fairseq_train_flags(
-        data, variant, tmp_path, *PRECISIONS[precision], "--fp16-init-scale", str(int(OVERFLOWING_SCALE))
-    )
+    argv = fairseq_train_flags(data, variant, tmp_path, *PRECISIONS[precision], *OVERFLOWING)
     trainer, batches = trainer_for(argv)
     model, scaler = trainer.get_model(), trainer.optimizer.scaler
     g = g_values(model)
@@ -274,7 +270,7 @@ def test_a_diverged_fp16_run_ends_with_fairseqs_minimum_loss_scale_error(data, t
     # The first overflow halves the scale to the minimum: fairseq raises its FloatingPointError,
     # then re-runs the update under its NaN detector (which, unpatched, raised StopIteration).
     scale = str(int(OVERFLOWING_SCALE))
-    argv = fairseq_train_flags(data, "l2", tmp_path, "--fp16", "--fp16-init-scale", scale, "--min-loss-scale", scale)
+    argv = fairseq_train_flags(data, "l2", tmp_path, "--fp16", *OVERFLOWING, "--min-loss-scale", scale)
     trainer, batches = trainer_for(argv)
     with caplog.at_level(logging.WARNING), pytest.raises(FloatingPointError, match="Minimum loss scale reached"):
         trainer.train_step([batches[0]])

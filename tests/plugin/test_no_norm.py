@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from conftest import build_model, train
+from conftest import build_model, train, train_each
 
 import fairseq_qknorm  # noqa: F401
 
@@ -50,16 +50,31 @@ def logged(log, key):
     return [float(x) for x in re.findall(rf"train_inner .*?\b{key}=([\d.]+)", log)]
 
 
-def test_fairseq_train_with_no_norm_trains_as_fairseqs_transformer(toy_bin, tmp_path):
+@pytest.fixture(scope="module")
+def trainings(toy_bin, tmp_path_factory):
+    """{name: (save dir, fairseq-train output)} of the trainings the tests below read, in one process:
+    fairseq's transformer and --qk-norm none for five updates without dropout, in that order
+    (fairseq's own first, before any QK-norm model has run in the process), then a QK-norm (l2)
+    model saved after one update."""
+    root = tmp_path_factory.mktemp("no_norm")
+    same = ["--dropout", "0", "--log-interval", "1", "--disable-validation", "--no-save"]
+    runs = {
+        "stock": dict(arch="transformer", max_update=5, extra=same),
+        "none": dict(max_update=5, extra=[*same, "--qk-norm", "none"]),
+        "l2": dict(max_update=1, extra=["--qk-scale-init", "10", "--disable-validation"]),
+    }
+    logs = train_each({name: dict(data_bin=toy_bin / "bin", save_dir=root / name, **kw) for name, kw in runs.items()})
+    return {name: (root / name, log) for name, log in logs.items()}
+
+
+def test_fairseq_train_with_no_norm_trains_as_fairseqs_transformer(trainings):
     """Five updates of fairseq-train: the same losses and gradient norms as fairseq's transformer
     (without dropout, whose random draws the two attentions take in a different order)."""
-    flags = ["--dropout", "0", "--log-interval", "1", "--disable-validation", "--no-save"]
-    stock = train(toy_bin / "bin", tmp_path / "stock", arch="transformer", max_update=5, extra=flags)
-    ours = train(toy_bin / "bin", tmp_path / "none", max_update=5, extra=[*flags, "--qk-norm", "none"])
+    (_, stock), (_, ours) = trainings["stock"], trainings["none"]
     for key in ("loss", "gnorm"):
-        expected = logged(stock.stdout + stock.stderr, key)
-        assert len(expected) == 5
-        assert logged(ours.stdout + ours.stderr, key) == pytest.approx(expected, rel=2e-3), key
+        expected = logged(stock, key)
+        assert len(expected) == 5, stock[-3000:]
+        assert logged(ours, key) == pytest.approx(expected, rel=2e-3), key
 
 
 def test_fairseq_train_logs_where_a_raw_temperature_starts(toy_bin, tmp_path):
@@ -68,15 +83,15 @@ def test_fairseq_train_logs_where_a_raw_temperature_starts(toy_bin, tmp_path):
     assert f"qk-norm: no norm, g0=1/sqrt(head_dim)=1/sqrt({HEAD_DIM})={HEAD_DIM**-0.5:.4f}" in proc.stdout + proc.stderr
 
 
-def test_an_l2_checkpoint_fine_tuned_without_a_norm_is_one_clear_line(toy_bin, tmp_path):
-    data = toy_bin / "bin"
-    train(data, tmp_path / "l2", max_update=1, extra=["--qk-scale-init", "10", "--disable-validation"])
+def test_an_l2_checkpoint_fine_tuned_without_a_norm_is_one_clear_line(toy_bin, tmp_path, trainings):
+    l2, log = trainings["l2"]
+    assert (l2 / "checkpoint_last.pt").exists(), log[-3000:]
     proc = train(
-        data,
+        toy_bin / "bin",
         tmp_path / "ft",
         max_update=2,
         check=False,
-        extra=["--qk-norm", "none", "--finetune-from-model", tmp_path / "l2" / "checkpoint_last.pt"],
+        extra=["--qk-norm", "none", "--finetune-from-model", l2 / "checkpoint_last.pt"],
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (

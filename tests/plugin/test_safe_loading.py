@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import USER_DIR, decode, run, tool, train
+from conftest import USER_DIR, decode, run, tool, train, train_args, train_in_this_process
 
 import fairseq_qknorm  # noqa: F401
 
@@ -86,14 +86,18 @@ def assert_refused(proc, marker, refused="posix.system", path=None):
     assert not marker.exists()
 
 
-def load_to_cpu(path, env, plugin=True):
-    """fairseq's checkpoint_utils.load_checkpoint_to_cpu on PATH, in a subprocess."""
+def load_to_cpu(paths, env, plugin=True):
+    """fairseq's checkpoint_utils.load_checkpoint_to_cpu on each of PATHS in turn, in one subprocess
+    (each load that returns prints "loaded PATH"; one refused ends it)."""
     code = (
         "import sys\n"
         + ("import fairseq_qknorm\n" if plugin else "")
-        + "from fairseq import checkpoint_utils\ncheckpoint_utils.load_checkpoint_to_cpu(sys.argv[1])"
+        + "from fairseq import checkpoint_utils\n"
+        + "for path in sys.argv[1:]:\n"
+        + "    checkpoint_utils.load_checkpoint_to_cpu(path)\n"
+        + "    print('loaded', path)"
     )
-    return run([tool("python"), "-c", code, path], env=env, check=False)
+    return run([tool("python"), "-c", code, *paths], env=env, check=False)
 
 
 def test_the_built_fairseq_runs_the_payload_without_the_plugin(trained, fairseq_without_weights_only, tmp_path):
@@ -102,7 +106,7 @@ def test_the_built_fairseq_runs_the_payload_without_the_plugin(trained, fairseq_
     marker = tmp_path / "PWNED"
     path = with_extra(save / "checkpoint_best.pt", tmp_path / "poisoned.pt", RunsACommand(marker))
     env = {"PYTHONPATH": str(fairseq_without_weights_only)}
-    load_to_cpu(path, env, plugin=False)
+    load_to_cpu([path], env, plugin=False)
     assert marker.exists()
 
 
@@ -145,19 +149,31 @@ def test_train_resume_refuses(trained, poisoned, fairseq_env, tmp_path):
     assert_refused(proc, marker, path=save / "checkpoint_last.pt")
 
 
-def hub_load(data, directory, checkpoint_file, env):
-    code = (
-        f"from fairseq.models.transformer import TransformerModel\n"
-        f"TransformerModel.from_pretrained({str(directory)!r}, checkpoint_file={checkpoint_file!r}, "
-        f"data_name_or_path={str(data)!r}, user_dir={USER_DIR!r})"
+@pytest.fixture(scope="module")
+def hub_loads(trained, poisoned):
+    """The hub's from_pretrained on the normal checkpoint, then on the poisoned one, in one subprocess
+    per fairseq (the normal load prints "loaded"; the refused one ends the process)."""
+    data, save = trained
+    d, _ = poisoned
+    code = "from fairseq.models.transformer import TransformerModel\n" + "".join(
+        f"TransformerModel.from_pretrained({str(directory)!r}, checkpoint_file={name!r}, "
+        f"data_name_or_path={str(data)!r}, user_dir={USER_DIR!r})\nprint('loaded', {name!r})\n"
+        for directory, name in [(save, "checkpoint_best.pt"), (d, "checkpoint_last.pt")]
     )
-    return run([tool("python"), "-c", code], env=env, check=False)
+    runs = {}
+
+    def loads(env):
+        key = tuple(sorted(env.items()))
+        if key not in runs:
+            runs[key] = run([tool("python"), "-c", code], env=env, check=False)
+        return runs[key]
+
+    return loads
 
 
-def test_hub_refuses(trained, poisoned, fairseq_env):
-    data, _ = trained
-    d, marker = poisoned
-    assert_refused(hub_load(data, d, "checkpoint_last.pt", fairseq_env), marker)
+def test_hub_refuses(poisoned, fairseq_env, hub_loads):
+    _, marker = poisoned
+    assert_refused(hub_loads(fairseq_env), marker)
 
 
 def test_inspect_refuses(poisoned, fairseq_env):
@@ -194,24 +210,27 @@ def fairseq_checkout(fairseq_without_weights_only, tmp_path_factory):
     return root
 
 
-def average(checkout, paths):
+def average(checkout, *pairs):
+    """The checkout's average_checkpoints on each pair of checkpoints in turn, in one subprocess."""
     code = (
         "import sys\nimport fairseq_qknorm\nfrom scripts.average_checkpoints import average_checkpoints\n"
-        "print(len(average_checkpoints(sys.argv[1:])['model']), 'tensors averaged')"
+        "for pair in zip(sys.argv[1::2], sys.argv[2::2]):\n"
+        "    print(len(average_checkpoints(list(pair))['model']), 'tensors averaged')"
     )
+    paths = [path for pair in pairs for path in pair]
     return run([tool("python"), "-c", code, *paths], cwd=checkout, env={"PYTHONPATH": str(ROOT)}, check=False)
 
 
 def test_checkpoint_averaging_of_a_fairseq_checkout_refuses(trained, poisoned, fairseq_checkout):
     _, save = trained
     d, marker = poisoned
-    proc = average(fairseq_checkout, [save / "checkpoint_best.pt", d / "checkpoint_last.pt"])
+    normal = [save / "checkpoint_best.pt", save / "checkpoint_last.pt"]
+    proc = average(fairseq_checkout, normal, [save / "checkpoint_best.pt", d / "checkpoint_last.pt"])
+    assert "tensors averaged" in proc.stdout, proc.stderr[-2000:]  # the normal pair, first
     assert_refused(proc, marker, path=d / "checkpoint_last.pt")
-    proc = average(fairseq_checkout, [save / "checkpoint_best.pt", save / "checkpoint_last.pt"])
-    assert proc.returncode == 0 and "tensors averaged" in proc.stdout, proc.stderr[-2000:]
 
 
-def test_a_normal_checkpoint_loads(trained, fairseq_env):
+def test_a_normal_checkpoint_loads(trained, fairseq_env, hub_loads):
     data, save = trained
     decode(
         "fairseq-generate",
@@ -220,14 +239,14 @@ def test_a_normal_checkpoint_loads(trained, fairseq_env):
         "--cpu --required-batch-size-multiple 1 --max-sentences 8",
         env=fairseq_env,
     )
-    proc = hub_load(data, save, "checkpoint_best.pt", fairseq_env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = hub_loads(fairseq_env)
+    assert "loaded checkpoint_best.pt" in proc.stdout, proc.stderr[-2000:]
 
 
 def test_torch_switch_does_not_turn_safe_loading_off(poisoned):
     """TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD only changes loads that leave weights_only unset."""
     d, marker = poisoned
-    assert_refused(load_to_cpu(d / "checkpoint_last.pt", {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}), marker)
+    assert_refused(load_to_cpu([d / "checkpoint_last.pt"], {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}), marker)
 
 
 @pytest.fixture(scope="module")
@@ -262,17 +281,19 @@ def test_trusted_checkpoint_loads_with_a_warning_naming_it(trained, old_checkpoi
 
 
 def test_trust_is_per_file(trained, old_checkpoint, poisoned):
-    """Naming one file trusts that file only: the poisoned checkpoint beside it is still refused."""
+    """Naming one file trusts that file only: the poisoned checkpoint beside it is still refused
+    (loaded after the trusted one, in the same process)."""
     d, marker = poisoned
     env = {TRUST: os.pathsep.join([str(old_checkpoint), str(d / "other.pt")])}
-    assert_refused(load_to_cpu(d / "checkpoint_last.pt", env), marker)
-    assert load_to_cpu(old_checkpoint, env).returncode == 0
+    proc = load_to_cpu([old_checkpoint, d / "checkpoint_last.pt"], env)
+    assert f"loaded {old_checkpoint}" in proc.stdout, proc.stderr[-2000:]
+    assert_refused(proc, marker)
 
 
 def test_stock_checkpoint_with_qknorm_flags_is_one_clear_line(trained, tmp_path):
     data, _ = trained
     stock = tmp_path / "stock"
-    train(data, stock, arch="transformer_qknorm", max_update=2, extra=["--qk-norm", "none", "--qk-scale", "none"])
+    train_in_this_process(train_args(data, stock, max_update=2, extra=["--qk-norm", "none", "--qk-scale", "none"]))
     proc = train(
         data,
         tmp_path / "ft",
