@@ -499,8 +499,9 @@ def how_it_ran(runs):
         " forgot at every resume its count of validations without a better dev BLEU and the step of the"
         " checkpoint's own validation: a run resumed after warm-up under it may have lowered its rate later than the"
         " same run uninterrupted. The seed-1 runs' resumes all came before the fix. Seed 2's ScaleNorm runs"
-        " moved to it at 2,720 (QKNorm) and 2,992 (dot) updates, each resumed from a validation better than"
-        " its best before, after which the count is zero whatever it was: nothing was lost there.",
+        " moved to it at 2,720 (QKNorm) and 2,992 (dot) updates of curves since lost with their machine, each"
+        " resumed from a validation better than its best before, after which the count is zero whatever it"
+        " was: nothing was lost there. Their current curves started under the fix.",
     ]
     return "\n".join(lines)
 
