@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_MODEL, TRAIN_FLAGS, USER_DIR, train
+from conftest import train, train_args
 from fairseq.data import indexed_dataset
 
 import fairseq_qknorm  # noqa: F401
@@ -103,8 +103,7 @@ def test_bad_flag_values_are_refused_by_the_parser(toy_bin, tmp_path, capsys, mo
     the seconds of importing fairseq. An exception other than argparse's exit fails the test."""
     from fairseq_cli.train import cli_main
 
-    command = ["fairseq-train", toy_bin / "bin", "--user-dir", USER_DIR, "--arch", "transformer_qknorm", *TINY_MODEL]
-    command += [*TRAIN_FLAGS, "--max-update", "1", "--save-dir", tmp_path / "ckpt", flag, value]
+    command = ["fairseq-train", *train_args(toy_bin / "bin", tmp_path / "ckpt", max_update=1, extra=[flag, value])]
     monkeypatch.setattr(sys, "argv", [str(c) for c in command])
     with pytest.raises(SystemExit) as exited:
         cli_main()
