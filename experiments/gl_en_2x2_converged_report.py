@@ -252,7 +252,8 @@ def effects_section(runs, stats, ten_stats):
     lines += [
         "",
         "The interval measures how much the choice of test sentences moves the difference, for these",
-        "trained models; it says nothing about how much another seed would (see How many seeds).",
+        "trained models; it says nothing about how much another seed would",
+        "([How many seeds](#how-many-seeds)).",
     ]
     return "\n".join(lines)
 
@@ -541,7 +542,8 @@ def answer(runs):
         )
     return (
         " ".join(said)
-        + " Intervals that count seeds and test sentences: Over seeds; how many seeds resolve what: How many seeds."
+        + " Intervals that count the seeds as well as the test sentences: [Over seeds](#over-seeds); how many"
+        " seeds would resolve what: [How many seeds](#how-many-seeds)."
     )
 
 

@@ -6,6 +6,7 @@ where git would track them."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -190,6 +191,18 @@ def test_the_report_reads_the_records(stopped, gl_en_data):
     stop = r["stop_reason"]
     assert text.index("ScaleNorm + dot seed 1: running") < text.index(f"LayerNorm + QKNorm seed 1: {stop}")
     assert text.index("| ScaleNorm + dot | 1 | running") < text.index(f"| LayerNorm + QKNorm | 1 | {stop}")
+    # both runs of a norm stopped: the answer sends the reader on to the sections on seeds, and every
+    # link within the page leads to one of its headings (GitHub's anchors: lower case, spaces to -)
+    pair = dict(r, attention="dot" if r["attention"] == "qknorm" else "qknorm")
+    write_runs(str(records), [r, pair])
+    try:
+        write_report(str(records), str(gl_en_data))
+        text = (records / "README.md").read_text()
+    finally:
+        (records / "runs.json").write_text(runs)
+    anchors = {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", text, re.M)}
+    links = set(re.findall(r"\]\(#([^)]+)\)", text))
+    assert {"over-seeds", "how-many-seeds"} <= links <= anchors, (links, anchors)
 
 
 def test_the_results_table_shows_stopped_runs_and_how_far_the_others_are(stopped):
