@@ -180,26 +180,24 @@ def test_the_report_reads_the_records(stopped, gl_en_data):
             write_report(str(records), str(gl_en_data))
     finally:
         (records / "runs.json").write_text(runs)
+
+    def page_of(*records_of_runs):
+        """The report of these runs; the fixture's record is put back after."""
+        write_runs(str(records), list(records_of_runs))
+        try:
+            write_report(str(records), str(gl_en_data))
+            return (records / "README.md").read_text()
+        finally:
+            (records / "runs.json").write_text(runs)
+
     # a run started later but earlier in the 2x2 comes first, on the status line and in the table
-    later = dict(r, norm="scalenorm", attention="dot", stop_reason="running", best_updates=None)
-    write_runs(str(records), [r, later])
-    try:
-        write_report(str(records), str(gl_en_data))
-        text = (records / "README.md").read_text()
-    finally:
-        (records / "runs.json").write_text(runs)
+    text = page_of(r, dict(r, norm="scalenorm", attention="dot", stop_reason="running", best_updates=None))
     stop = r["stop_reason"]
     assert text.index("ScaleNorm + dot seed 1: running") < text.index(f"LayerNorm + QKNorm seed 1: {stop}")
     assert text.index("| ScaleNorm + dot | 1 | running") < text.index(f"| LayerNorm + QKNorm | 1 | {stop}")
     # both runs of a norm stopped: the answer sends the reader on to the sections on seeds, and every
     # link within the page leads to one of its headings (GitHub's anchors: lower case, spaces to -)
-    pair = dict(r, attention="dot" if r["attention"] == "qknorm" else "qknorm")
-    write_runs(str(records), [r, pair])
-    try:
-        write_report(str(records), str(gl_en_data))
-        text = (records / "README.md").read_text()
-    finally:
-        (records / "runs.json").write_text(runs)
+    text = page_of(r, dict(r, attention="dot" if r["attention"] == "qknorm" else "qknorm"))
     anchors = {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", text, re.M)}
     links = set(re.findall(r"\]\(#([^)]+)\)", text))
     assert {"over-seeds", "how-many-seeds"} <= links <= anchors, (links, anchors)
