@@ -91,6 +91,12 @@ def paired_differences(runs):
     return out
 
 
+def seed_style(seed):
+    """The line style of a seed's curves, in both panels: seed 1 solid, 2 dashed, 3 dash-dotted (dotted
+    is for the curves of lost checkpoints)."""
+    return ["-", "--", "-."][(seed - 1) % 3]
+
+
 def figure(path, runs):
     from matplotlib.figure import Figure
 
@@ -100,7 +106,7 @@ def figure(path, runs):
     fig = Figure(figsize=(13, 5))
     left, right = fig.subplots(1, 2)
     for r in runs:
-        color, style = COLORS[cell(r)], ["-", "--", ":", "-."][(r["seed"] - 1) % 4]
+        color, style = COLORS[cell(r)], seed_style(r["seed"])
         for lost in r.get("lost_curves", []):
             u, b = zip(*[(p[0], p[1]) for p in lost["dev_curve"]]) if lost["dev_curve"] else ((), ())
             left.plot(u, b, ":", color=color, alpha=0.35, linewidth=1)
@@ -117,10 +123,13 @@ def figure(path, runs):
     for (norm, seed), diff in paired_differences(runs).items():
         u, d = zip(*diff)
         color = COLORS[norm, "qknorm"]
-        right.plot(u, d, marker=".", color=color, alpha=0.4, label=f"{NORMS[norm]}: QKNorm - dot, seed {seed}")
+        style = seed_style(seed)
+        right.plot(u, d, style, marker=".", color=color, alpha=0.4, label=f"{NORMS[norm]}: QKNorm - dot, seed {seed}")
         # the trend under the validation-to-validation noise: the mean of the last SMOOTH validations
         mean = [statistics.mean(d[max(0, i + 1 - SMOOTH) : i + 1]) for i in range(len(d))]
-        right.plot(u, mean, color=color, linewidth=2.5, label=f"the same, mean of the last {SMOOTH} validations")
+        right.plot(
+            u, mean, style, color=color, linewidth=2.5, label=f"seed {seed}, mean of the last {SMOOTH} validations"
+        )
     right.axhline(0, color="black", linewidth=0.8)
     right.axvline(TEN_EPOCH_UPDATES, color="grey", linewidth=1)
     right.set(xlabel="updates", ylabel="dev BLEU difference", title="QKNorm minus scaled dot, by norm")
