@@ -482,7 +482,8 @@ def how_it_ran(runs):
                     f"{exact} of {len(same)} validations measured twice agree exactly (largest difference {worst:.2f})"
                     + (f", the earlier on {where}" if where else "")
                 )
-        resumed = ", ".join(f"{u:,}" for u in r.get("resumed_at_updates", []))
+        resumed = [f"{u:,}" for u in r.get("resumed_at_updates", [])]
+        resumed = " and ".join([", ".join(resumed[:-1]), resumed[-1]] if len(resumed) > 1 else resumed)
         lost = len(r.get("lost_curves", []))
         restarts = sum(c.get("note", "").startswith("checkpoints lost") for c in r.get("lost_curves", []))
         lines.append(

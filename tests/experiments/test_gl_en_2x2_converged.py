@@ -279,6 +279,9 @@ def test_how_it_ran_names_the_cpus_of_a_run_and_of_its_lost_curve():
     (line,) = [x for x in how_it_ran([run]).splitlines() if x.startswith("- ")]
     assert line.startswith("- ScaleNorm + QKNorm, seed 2: commit abc1234, 1 thread(s), on CPU B, then CPU C from 100")
     assert "1 of 2 validations measured twice agree exactly (largest difference 0.50), the earlier on CPU A" in line
+    assert "from 100 updates, resumed at 100 updates;" in line
+    run["resumed_at_updates"] = [100, 200, 1632]
+    assert "resumed at 100, 200 and 1,632 updates;" in how_it_ran([run])
     # a record from before the CPU was recorded names none
     old = {k: v for k, v in run.items() if k != "cpus"}
     old["lost_curves"] = [{k: v for k, v in lost.items() if k != "cpus"}]
