@@ -413,6 +413,9 @@ train_command() {
     # A sentence longer than the model's positions (or MAX_TOKENS) is skipped in train, as fairseq
     # always does, and in validation (dev BLEU over the rest) rather than stopping training at its
     # first validation; fairseq's warnings, repeated by train_arm, say how many.
+    # --update-epoch-batch-itr True: fairseq groups each epoch's batches from --seed and that epoch, not
+    # once per process from the epoch it starts in, so a run resumed from checkpoint_last.pt replays the
+    # uninterrupted run bit for bit (examples/interrupt/RESULTS.md).
     # shellcheck disable=SC2206  # MODEL_FLAGS / DEVICE_FLAGS / CHECKPOINT_FLAGS / EXTRA_TRAIN_FLAGS are flag lists
     TRAIN_COMMAND=("${LAUNCH[@]}" fairseq-train "$WORK/bin" --user-dir "$USER_DIR" --arch "$arch" $MODEL_FLAGS "$@"
         --source-lang "$SRC" --target-lang "$TGT"
@@ -424,7 +427,7 @@ train_command() {
         "${validation[@]}" "${budget[@]}"
         --save-dir "$save_dir" ${CHECKPOINT_FLAGS:---no-epoch-checkpoints} --seed "$seed"
         --log-format simple --log-interval "${LOG_INTERVAL:-20}" --num-workers 0
-        $DEVICE_FLAGS "${DISTRIBUTED_FLAGS[@]}" ${EXTRA_TRAIN_FLAGS:-})
+        $DEVICE_FLAGS "${DISTRIBUTED_FLAGS[@]}" --update-epoch-batch-itr True ${EXTRA_TRAIN_FLAGS:-})
 }
 
 train_arm() {

@@ -21,7 +21,7 @@ import numpy as np
 
 from experiments.corpus_scores import bleu_score, bleu_statistics
 from experiments.gl_en_2x2_records import CELLS, TGT, read_runs, sha1, stopped
-from experiments.gl_en_2x2_report import BOOTSTRAP_SEED, EFFECTS, RESAMPLES, SHORT, T975, effects
+from experiments.gl_en_2x2_report import BOOTSTRAP_SEED, EFFECTS, RESAMPLES, SHORT, T975, effects, replays
 from fairseq_qknorm_cli.files import atomic_path, fail, write_text
 from fairseq_qknorm_cli.score import read_lines
 
@@ -490,6 +490,7 @@ def how_it_ran(runs):
             f"- {SHORT[cell(r)]}, seed {r['seed']}: commit {r['commit']}, {r['threads']} thread(s), "
             + (f"on {on_cpus(r['cpus'])}, " if r.get("cpus") else "")
             + (f"resumed at {resumed} updates" if resumed else "never resumed")
+            + (", with `--update-epoch-batch-itr True`" if replays(r) else "")
             + (
                 f"; restarted from its first update {restarts} time(s), its checkpoints lost with a machine"
                 if restarts
@@ -504,15 +505,19 @@ def how_it_ran(runs):
         "Each run's fairseq-train command is in runs.json (`train_command`). The CPU model is named where"
         " the record holds it (runs started or resumed after the driver began to record it): floating-point"
         " results may differ slightly between CPU models, so a validation measured twice is expected to"
-        " agree exactly only on the same model and without a resume between, which changes how fairseq"
-        " groups the batches ([examples/interrupt/RESULTS.md](../../interrupt/RESULTS.md)). Until the"
+        " agree exactly only on the same model and, in a run trained without `--update-epoch-batch-itr True`,"
+        " without a resume between, which changes how fairseq groups the batches; with it (the runs that"
+        " say so above), a resume replays the run bit for bit"
+        " ([examples/interrupt/RESULTS.md](../../interrupt/RESULTS.md)). Until the"
         " plugin fixed it ([docs/changes.md](../../../docs/changes.md)), fairseq's `reduce_lr_on_plateau`"
         " forgot at every resume its count of validations without a better dev BLEU and the step of the"
         " checkpoint's own validation: a run resumed after warm-up under it may have lowered its rate later than the"
         " same run uninterrupted. The seed-1 runs' resumes all came before the fix. Seed 2's ScaleNorm runs"
         " moved to it at 2,720 (QKNorm) and 2,992 (dot) updates of curves since lost with their machine, each"
         " resumed from a validation better than its best before, after which the count is zero whatever it"
-        " was: nothing was lost there. Their current curves started under the fix.",
+        " was: nothing was lost there. Their current curves started under the fix, and with"
+        " `--update-epoch-batch-itr True`: the last of their earlier partial curves (1,360 updates each) was"
+        " stopped to restart them with it, so that a resume replays them.",
     ]
     return "\n".join(lines)
 

@@ -300,17 +300,27 @@ def effects_section(records, ref, runs, seeds):
     }
 
 
-def resumed_runs(runs):
-    """The runs that a stopped campaign resumed, and at which updates, in the order of runs.json."""
-    resumed = sorted(
+def resumed(runs):
+    """The runs that a stopped campaign resumed, in the order of the report's tables."""
+    return sorted(
         (r for r in runs if r.get("resumed_at_updates")),
         key=lambda r: (r["seed"], CELLS.index((r["norm"], r["attention"]))),
     )
+
+
+def resumed_runs(runs):
+    """The runs that a stopped campaign resumed, and at which updates."""
     return "; ".join(
         f"{NAMES[r['norm'], r['attention']]}, seed {r['seed']}, at update "
         + " and again at ".join(str(u) for u in r["resumed_at_updates"])
-        for r in resumed
+        for r in resumed(runs)
     )
+
+
+def replays(run):
+    """Whether a resume of RUN replays it: fairseq regroups each epoch's batches from the seed and the
+    epoch (--update-epoch-batch-itr True) rather than once per process, from the epoch it starts in."""
+    return "--update-epoch-batch-itr True" in run["train_command"]
 
 
 def fill(template, flags, values):
@@ -358,6 +368,8 @@ def write_report(records, data_dir):
         "apart": bool(corrected.get("apart_count")),
         "effects": bool(seeds),
         "resumed": bool(values["resumed_runs"]),
+        "continued": any(not replays(r) for r in resumed(runs)),
+        "replayed": any(replays(r) for r in resumed(runs)),
     }
     with open(TEMPLATE, encoding="utf-8") as f:
         text = fill(f.read(), flags, values)

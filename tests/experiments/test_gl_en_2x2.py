@@ -69,6 +69,7 @@ def make_records(tmp_path, seeds=(1, 2)):
                     "L": 79,
                     "g0": 12.59,
                     "train_seconds": 60,
+                    "train_command": f"fairseq-train $WORK/bin --seed {seed}",
                     "data_sha1": {"test.en": gl_en_2x2_records.sha1(data / "test.en")},
                 }
             )
@@ -189,6 +190,14 @@ def test_report_with_one_complete_seed_and_resumed_runs(tmp_path):
     assert "one complete seed: no interval over seeds yet" in text
     assert "Resumed here: ScaleNorm + scaled dot (the paper's baseline), seed 1, at update 40 and again at 80." in text
     assert "$" not in text and "<!--" not in text
+    # without --update-epoch-batch-itr True the resumed run is a continuation; with it, a replay
+    continued, replayed = "is a continuation, not bit-identical", "replays the\nuninterrupted one, bit for bit"
+    assert continued in text and replayed not in text
+    runs[0]["train_command"] += " --update-epoch-batch-itr True"
+    gl_en_2x2_records.write_runs(str(records), runs)
+    write_report(str(records), str(data))
+    text = (records / "README.md").read_text()
+    assert replayed in text and continued not in text
 
 
 def test_report_without_a_complete_seed_has_no_effects(tmp_path):

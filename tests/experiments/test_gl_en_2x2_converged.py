@@ -276,12 +276,15 @@ def test_how_it_ran_names_the_cpus_of_a_run_and_of_its_lost_curve():
     lost = dict(dev_curve=curve(1.0, 2.0), cpus=[[0, "CPU A"]], note="checkpoints lost; restarted from scratch")
     run = dict(norm="scalenorm", attention="qknorm", seed=2, commit="abc1234", threads=1, dev_curve=curve(1.0, 2.5))
     run.update(resumed_at_updates=[100], lost_curves=[lost], cpus=[[0, "CPU B"], [100, "CPU C"]])
+    run.update(train_command="fairseq-train $WORK/bin --seed 2")
     (line,) = [x for x in how_it_ran([run]).splitlines() if x.startswith("- ")]
     assert line.startswith("- ScaleNorm + QKNorm, seed 2: commit abc1234, 1 thread(s), on CPU B, then CPU C from 100")
     assert "1 of 2 validations measured twice agree exactly (largest difference 0.50), the earlier on CPU A" in line
     assert "from 100 updates, resumed at 100 updates;" in line
     run["resumed_at_updates"] = [100, 200, 1632]
     assert "resumed at 100, 200 and 1,632 updates;" in how_it_ran([run])
+    run["train_command"] += " --update-epoch-batch-itr True"  # its resumes replay it
+    assert "resumed at 100, 200 and 1,632 updates, with `--update-epoch-batch-itr True`;" in how_it_ran([run])
     # a record from before the CPU was recorded names none
     old = {k: v for k, v in run.items() if k != "cpus"}
     old["lost_curves"] = [{k: v for k, v in lost.items() if k != "cpus"}]
