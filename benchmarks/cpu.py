@@ -5,7 +5,7 @@ Xeon with AVX-512 (BENCHMARKS.md): a CPU ratio means little without its CPU."""
 
 import os
 
-from experiments.machine import cpu_name
+from experiments.machine import cpu_kernels, cpu_name
 
 # The vector extensions, as /proc/cpuinfo names them, that decide which kernels torch, MKL and
 # oneDNN run: widths (AVX2, AVX-512) and the bfloat16, float16 and matrix units.
@@ -34,12 +34,10 @@ def vector_flags():
 
 def record():
     """What a results file says about its CPU: model, cores, torch's kernel set, vector flags."""
-    import torch
-
     return {
         "cpu": cpu_name(),
         "cores": os.cpu_count(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_capability": cpu_kernels(),
         "cpu_flags": vector_flags(),
     }
 

@@ -21,8 +21,9 @@ its dev curve so far, is rewritten after every validation (and committed with --
 measured point is never lost. Rerun, a run resumes from its checkpoint_last.pt; a run whose
 checkpoints are gone (a new machine) restarts from its first update, its earlier curve kept in the
 record as `lost_curves` (with the commit, resumes and CPUs that curve had), which the report counts.
-The record names the CPU model each stretch of training ran on (`cpus`: [updates, model] wherever it
-changed): floating-point results may differ slightly from one model to another. Checkpoints live in
+The record names the CPU each stretch of training ran on (`cpus`: [updates, "model (kernels)"] wherever
+it changed): the model name and torch's CPU kernel set (AVX2, AVX512), whose rounding decides the
+floating-point results; machines sold under one model name ("AMD EPYC") may run different sets. Checkpoints live in
 the run's folder (--arm-dir), which must be outside the repository: only records and hypotheses are
 ever committed.
 """
@@ -49,7 +50,7 @@ from experiments.gl_en_2x2_records import (
     read_runs,
     write_runs,
 )
-from experiments.machine import cpu_name
+from experiments.machine import cpu_with_kernels
 from fairseq_qknorm_cli.files import fail, write_text
 
 PATIENCE = 8
@@ -327,7 +328,7 @@ class Run:
         if os.path.exists(last):  # fairseq-train resumes from it
             from_updates = checkpoint_state(last)["optimizer_history"][-1]["num_updates"]
             entry["resumed_at_updates"].append(from_updates)
-        cpus, cpu = entry.setdefault("cpus", []), cpu_name()  # records from before it have no cpus
+        cpus, cpu = entry.setdefault("cpus", []), cpu_with_kernels()  # records from before it have no cpus
         if not cpus or cpus[-1][1] != cpu:
             cpus.append([from_updates, cpu])
         log(f"{self.name}: fairseq-train {'resumes' if os.path.exists(last) else 'starts'} (log: {self.log_path})")

@@ -502,22 +502,25 @@ def how_it_ran(runs):
         )
     lines += [
         "",
-        "Each run's fairseq-train command is in runs.json (`train_command`). The CPU model is named where"
-        " the record holds it (runs started or resumed after the driver began to record it): floating-point"
-        " results may differ slightly between CPU models, so a validation measured twice is expected to"
-        " agree exactly only on the same model and, in a run trained without `--update-epoch-batch-itr True`,"
-        " without a resume between, which changes how fairseq groups the batches; with it (the runs that"
-        " say so above), a resume replays the run bit for bit"
-        " ([examples/interrupt/RESULTS.md](../../interrupt/RESULTS.md)). Until the"
+        "Each run's fairseq-train command is in runs.json (`train_command`). The CPU is named where the"
+        " record holds it (runs started or resumed after the driver began to record it), with torch's CPU"
+        " kernels since they were pinned: torch's AVX2 and AVX512 kernels round differently, on CPUs of one"
+        " model name too, so a validation measured twice is expected to agree exactly only under the same"
+        " kernels and, in a run trained without `--update-epoch-batch-itr True`, without a resume between,"
+        " which changes how fairseq groups the batches; with it (the runs that say so above), a resume"
+        " replays the run bit for bit. The recipe runs torch's AVX2 kernels on every machine"
+        " (`ATEN_CPU_CAPABILITY=avx2`), so that a run restarted on another machine repeats its curve"
+        " ([examples/interrupt/RESULTS.md](../../interrupt/RESULTS.md#across-machines-torchs-cpu-kernels)). Until the"
         " plugin fixed it ([docs/changes.md](../../../docs/changes.md)), fairseq's `reduce_lr_on_plateau`"
         " forgot at every resume its count of validations without a better dev BLEU and the step of the"
         " checkpoint's own validation: a run resumed after warm-up under it may have lowered its rate later than the"
         " same run uninterrupted. The seed-1 runs' resumes all came before the fix. Seed 2's ScaleNorm runs"
         " moved to it at 2,720 (QKNorm) and 2,992 (dot) updates of curves since lost with their machine, each"
         " resumed from a validation better than its best before, after which the count is zero whatever it"
-        " was: nothing was lost there. Their current curves started under the fix, and with"
-        " `--update-epoch-batch-itr True`: the last of their earlier partial curves (1,360 updates each) was"
-        " stopped to restart them with it, so that a resume replays them.",
+        " was: nothing was lost there. Their current curves started under the fix, with"
+        " `--update-epoch-batch-itr True` and the AVX2 kernels pinned: two of their earlier partial curves"
+        " were stopped to restart them, one (1,360 updates each) for the flag, one for the kernels"
+        " (the note in runs.json), so that a resume, and a restart on any machine, replays them.",
     ]
     return "\n".join(lines)
 

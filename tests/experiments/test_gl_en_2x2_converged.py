@@ -16,14 +16,30 @@ import pytest
 from sacrebleu.metrics import BLEU
 
 from experiments.gl_en_2x2_converged import stop_reason
-from experiments.machine import cpu_name
+from experiments.machine import cpu_name, cpu_with_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "examples" / "ted" / "gl-en-2x2-converged" / "run.sh"
+PINNED = f"{cpu_name()} (AVX2 kernels)"  # the recipe pins torch's AVX2 kernels on every machine
 
 
 def curve(*bleus, step=100):
     return [[step * (i + 1), b, 5.0 - i * 0.1] for i, b in enumerate(bleus)]
+
+
+def test_the_recorded_cpu_names_torchs_kernel_set():
+    """One model name ("AMD EPYC") covers machines whose torch runs AVX2 or AVX512 kernels, which round
+    differently: the name a record keeps must tell them apart. ATEN_CPU_CAPABILITY picks the set."""
+    code = "from experiments.machine import cpu_with_kernels; print(cpu_with_kernels())"
+
+    def name(**env):
+        environ = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"} | env
+        proc = subprocess.run([sys.executable, "-c", code], env=environ, cwd=ROOT, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
+
+    assert name(ATEN_CPU_CAPABILITY="default").endswith(" (DEFAULT kernels)")
+    assert name() == cpu_with_kernels() and re.search(r" \((DEFAULT|AVX2|AVX512)\S* kernels\)$", name())
 
 
 def test_stopping_rule_on_made_up_curves():
@@ -95,7 +111,7 @@ def test_a_run_stops_by_the_rule_with_its_record(stopped, gl_en_data):
     assert r["best_updates"] == dev[best][0]
     assert "--arch transformer_qknorm_paper" in r["train_command"] and "--user-dir $USER_DIR" in r["train_command"]
     assert str(work) not in r["train_command"] and r["threads"] == 1 and r["commit"]
-    assert r["cpus"] == [[0, cpu_name()]]  # what it trained on, from its first update
+    assert r["cpus"] == [[0, PINNED]]  # what it trained on, from its first update
     assert r["g"] and all(isinstance(g, float) for g in r["g"].values())
     # The committed hypotheses rescore to the recorded BLEU (sacrebleu --tokenize none on test.en).
     hyp = (records / r["hyp"]).read_text().splitlines()
@@ -134,7 +150,7 @@ def test_an_unfinished_run_resumes_from_its_checkpoint(stopped, gl_en_data):
     # fairseq-train went on a little after the stopping validation, until the driver stopped it
     (resumed_at,) = after["resumed_at_updates"]
     assert resumed_at >= r["updates"] and after["lost_curves"] == []
-    assert after["cpus"] == [[0, "an earlier CPU"], [resumed_at, cpu_name()]]
+    assert after["cpus"] == [[0, "an earlier CPU"], [resumed_at, PINNED]]
     train_log = (work / "arms" / "qknorm-seed1" / "train.log").read_text()
     assert f"@ {resumed_at} updates)" in train_log  # fairseq's "Loaded checkpoint ... (epoch E @ N updates)"
 
@@ -266,7 +282,7 @@ def test_a_run_whose_checkpoints_are_gone_restarts_with_its_curve_kept(stopped, 
     lost = after["lost_curves"][-1]
     assert lost["dev_curve"] == r["dev_curve"] and lost["cpus"] == r["cpus"]
     assert lost["resumed_at_updates"] == [20, 40] and lost["commit"] == "0000000"
-    assert after["cpus"] == [[0, cpu_name()]] and after["resumed_at_updates"] == [] and after["commit"] != "0000000"
+    assert after["cpus"] == [[0, PINNED]] and after["resumed_at_updates"] == [] and after["commit"] != "0000000"
     assert len(after["dev_curve"]) == 1 and after["stop_reason"] == "cap"
 
 

@@ -18,11 +18,16 @@
 #   first, "layernorm.dot layernorm.qknorm scalenorm.dot scalenorm.qknorm"), SEEDS (default 1),
 #   JOBS (default 2) runs side by side, THREADS (default 1) each, PATIENCE (default 8),
 #   MAX_UPDATE (default 13600), PRESET (default cpu) and its values (examples/common.sh),
-#   WORK (default work/gl-en-2x2-converged), RECORDS (default this folder), COMMIT=1.
+#   WORK (default work/gl-en-2x2-converged), RECORDS (default this folder), COMMIT=1,
+#   ATEN_CPU_CAPABILITY (default avx2; see below).
 # The report (README.md and its figures here) is rewritten from runs.json at the end.
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/../../common.sh"
 
+# torch's AVX2 kernels on every x86-64 CPU, where it would pick AVX512 on CPUs that have it: the two
+# round differently, so a run restarted or resumed on another machine would part from its curve at
+# the first update. Pinned, it repeats it (docs/pitfalls.md); the records name the kernels that ran.
+export ATEN_CPU_CAPABILITY=${ATEN_CPU_CAPABILITY:-avx2}
 RECORDS=${RECORDS:-$here}
 SEEDS=${SEEDS:-1}
 CELLS=${CELLS:-layernorm.dot layernorm.qknorm scalenorm.dot scalenorm.qknorm}
