@@ -30,5 +30,10 @@ def cpu_with_kernels():
 
 
 def machine():
-    """The CPU model, the core count and Python's version."""
-    return {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()}
+    """The CPU model, torch's CPU kernels, the core count and Python's version."""
+    return {
+        "cpu": cpu_name(),
+        "cpu_kernels": cpu_kernels(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+    }

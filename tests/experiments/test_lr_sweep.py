@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from conftest import run
 
 from experiments.sweep import WINDOW, divergence, loss_summary, seed_table
@@ -94,6 +95,7 @@ def test_results_json_records_every_run(sweep):
         (arm, lr) for arm in ("stock", "qknorm", "qk_layernorm") for lr in (1e-3, 3e-3)
     }
     assert results["settings"]["updates"] == 5 and results["machine"]["torch"]
+    assert results["machine"]["cpu_kernels"] == torch.backends.cpu.get_cpu_capability()  # what rounded the numbers
     for r in results["runs"]:
         assert r["seed"] == 1 and r["diverged"] is None
         assert len(r["loss"]) == len(r["gnorm"]) == 5
