@@ -25,8 +25,8 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 source "$here/../../common.sh"
 
 # torch's AVX2 kernels on every x86-64 CPU, where it would pick AVX512 on CPUs that have it: the two
-# round differently, so a run restarted or resumed on another machine would part from its curve at
-# the first update. Pinned, it repeats it (docs/pitfalls.md); the records name the kernels that ran.
+# round differently, so a run restarted or resumed on another machine would leave its curve. Pinned,
+# it repeats it (docs/pitfalls.md); the records name the kernels that ran.
 export ATEN_CPU_CAPABILITY=${ATEN_CPU_CAPABILITY:-avx2}
 RECORDS=${RECORDS:-$here}
 SEEDS=${SEEDS:-1}
