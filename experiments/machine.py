@@ -33,7 +33,7 @@ def machine():
     """The CPU model, torch's CPU kernels, the core count and Python's version."""
     return {
         "cpu": cpu_name(),
-        "cpu_kernels": cpu_kernels(),
+        "cpu_capability": cpu_kernels(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
     }

@@ -95,7 +95,7 @@ def test_results_json_records_every_run(sweep):
         (arm, lr) for arm in ("stock", "qknorm", "qk_layernorm") for lr in (1e-3, 3e-3)
     }
     assert results["settings"]["updates"] == 5 and results["machine"]["torch"]
-    assert results["machine"]["cpu_kernels"] == torch.backends.cpu.get_cpu_capability()  # what rounded the numbers
+    assert results["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()  # what rounded the numbers
     for r in results["runs"]:
         assert r["seed"] == 1 and r["diverged"] is None
         assert len(r["loss"]) == len(r["gnorm"]) == 5
